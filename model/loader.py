@@ -1,0 +1,159 @@
+"""safetensors checkpoint -> this rank's parameter slices.
+
+A checkpoint is one `model.safetensors` or shards named by `model.safetensors.index.json`. Tensors are
+opened lazily (`safe_open(...).get_slice`) and every parameter's own `weight_loader` reads only this
+rank's rows or columns. The family's `packed_modules` maps checkpoint projections onto fused ones
+(q/k/v -> qkv_proj, gate/up -> gate_up_proj); nothing else is per-model loading code.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from pathlib import Path
+from typing import Iterator, Literal
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from model.config import ModelConfig, load_model_config
+from model.nemotron_ld import NemotronLabsDiffusionModel
+from model.parallel.group import TPGroup
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {"nemotron_labs_diffusion": NemotronLabsDiffusionModel}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LazyTensor:
+    """A checkpoint tensor whose slices are read on indexing (`.shape`, `[...]`)."""
+
+    def __init__(self, handle, name: str):
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._slice[index]
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    names: dict[str, Path] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names.update((name, file) for name in f.keys())
+    return names
+
+
+def expected_tensors(model: nn.Module) -> dict[str, tuple[str, object]]:
+    """checkpoint tensor name -> (parameter name, shard id or None) for every parameter of model."""
+    packed = getattr(model, "packed_modules", {})
+    fused = {}
+    for ckpt_module, (ours, shard) in packed.items():
+        fused.setdefault(ours, []).append((ckpt_module, shard))
+    expected = {}
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        module = parts[-2] if len(parts) >= 2 else ""
+        if module in fused:
+            for ckpt_module, shard in fused[module]:
+                expected[".".join(parts[:-2] + [ckpt_module, parts[-1]])] = (name, shard)
+        else:
+            expected[name] = (name, None)
+    return expected
+
+
+def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = True) -> None:
+    model_dir = Path(model_dir)
+    files = checkpoint_files(model_dir)
+    expected = expected_tensors(model)
+    ignored = [re.compile(p) for p in getattr(model, "ignored_checkpoint_tensors", ())]
+    present = {n for n in files if not any(p.search(n) for p in ignored)}
+    missing = sorted(set(expected) - present)
+    unexpected = sorted(present - set(expected))
+    if missing or unexpected:
+        lines = [f"checkpoint {model_dir} does not match the model:"]
+        if missing:
+            lines.append(f"  missing tensors ({len(missing)}): {', '.join(missing)}")
+        if unexpected:
+            lines.append(f"  unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
+        raise ValueError("\n".join(lines))
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[str]] = {}
+    for name in sorted(expected):
+        by_file.setdefault(files[name], []).append(name)
+    with tqdm(total=len(expected), desc=f"loading {model_dir.name}", unit="tensor",
+              disable=not show_progress) as bar:
+        for file, names in sorted(by_file.items()):
+            with safe_open(file, framework="pt") as handle:
+                for name in names:
+                    param_name, shard = expected[name]
+                    param = params[param_name]
+                    source = LazyTensor(handle, name)
+                    try:
+                        if shard is None:
+                            param.weight_loader(param, source)
+                        else:
+                            param.weight_loader(param, source, shard)
+                    except ValueError as err:
+                        raise ValueError(f"{name}: {err}") from None
+                    bar.update()
+
+
+def fill_dummy(model: nn.Module, seed: int = 0) -> None:
+    """Random weights for benchmarks of full-size shapes without a checkpoint: matrices ~ N(0, 0.02),
+    norm weights 1 (a norm scaled by 0.02 would shrink every activation towards zero)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for param in model.parameters():
+        if param.dim() == 1:
+            param.data.fill_(1.0)
+        else:  # on CPU then copied: one generator, the same numbers on every device
+            param.data.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    cls = MODEL_CLASSES[cfg.model_type]
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(cfg, tp, dtype)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(model_dir: str | Path, tp: TPGroup | None = None, *, dtype: torch.dtype | str | None = None,
+               device: torch.device | str = "cpu", load_format: Literal["safetensors", "dummy"] = "safetensors",
+               show_progress: bool | None = None, seed: int = 0) -> nn.Module:
+    """The model of `model_dir` for one TP rank. `dtype` defaults to the checkpoint's."""
+    tp = tp or TPGroup()
+    cfg = load_model_config(model_dir)
+    if dtype is None or isinstance(dtype, str):
+        name = dtype or cfg.dtype
+        if name not in DTYPES:
+            raise ValueError(f"dtype={name!r}; supported: {', '.join(DTYPES)}")
+        dtype = DTYPES[name]
+    model = build_model(cfg, tp, dtype, device)
+    if show_progress is None:
+        show_progress = tp.rank == 0
+    if load_format == "dummy":
+        fill_dummy(model, seed)
+    elif load_format == "safetensors":
+        load_weights(model, model_dir, show_progress)
+    else:
+        raise ValueError(f"load_format={load_format!r}; supported: safetensors, dummy")
+    return model

@@ -1,0 +1,124 @@
+"""Nemotron-Labs-Diffusion (SPEC.md 2.1): a Ministral-3 backbone (`encoder.*`) and an untied
+`diffusion_head`, one tensor-parallel rank of it.
+
+    h   = embed(ids)
+    for each layer:  h += o(attn(rope(q(n1(h))) * s(pos), rope(k(n1(h))), v(n1(h))));  h += down(silu(gate(n2(h))) * up(n2(h)))
+    logits_r = diffusion_head_r(norm(h))          # this rank's vocabulary slice
+
+with s(pos) the Llama-4 query scale. Whether attention is causal or bidirectional, and which KV it
+reads and writes, is the step context's business (model.attention), not the model's.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.attention import cached_attention
+from model.config import NemotronLabsDiffusionConfig
+from model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from model.parallel.group import TPGroup
+from model.parallel.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from model.parallel.linear import ParallelLMHead, VocabParallelEmbedding
+
+
+class NemotronLDAttention(nn.Module):
+    def __init__(self, cfg: NemotronLabsDiffusionConfig, layer_idx: int, tp: TPGroup):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = cfg.head_size
+        self.total_num_heads = cfg.num_attention_heads
+        self.total_num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = self.total_num_heads // tp.world_size
+        self.num_kv_heads = self.total_num_kv_heads // tp.world_size
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, self.total_num_heads,
+                                          self.total_num_kv_heads, tp)
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, cfg.hidden_size, tp)
+
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        b, n, _ = x.shape
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(b, n, self.num_heads, self.head_dim)
+        k = k.view(b, n, self.num_kv_heads, self.head_dim)
+        v = v.view(b, n, self.num_kv_heads, self.head_dim)
+        cos, sin, q_scale = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if q_scale is not None:
+            q = q * q_scale
+        o = cached_attention(q, k, v, self.layer_idx, self.scale)
+        return self.o_proj(o.reshape(b, n, q_size))
+
+
+class NemotronLDMLP(nn.Module):
+    def __init__(self, cfg: NemotronLabsDiffusionConfig, tp: TPGroup):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp)
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class NemotronLDDecoderLayer(nn.Module):
+    def __init__(self, cfg: NemotronLabsDiffusionConfig, layer_idx: int, tp: TPGroup):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = NemotronLDAttention(cfg, layer_idx, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = NemotronLDMLP(cfg, tp)
+
+    def forward(self, h: torch.Tensor, rope) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class NemotronLDEncoder(nn.Module):
+    def __init__(self, cfg: NemotronLabsDiffusionConfig, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(NemotronLDDecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.to_transformers(), dtype)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        rope = self.rotary_emb(positions)
+        h = self.embed_tokens(ids)
+        for layer in self.layers:
+            h = layer(h, rope)
+        return self.norm(h)
+
+
+class NemotronLabsDiffusionModel(nn.Module):
+    """forward(ids [B, L], positions [B, L]) -> hidden [B, L, H] inside a model.attention.step_context;
+    compute_logits(hidden [..., H]) -> this rank's logits [..., vocab_end - vocab_start]."""
+
+    # checkpoint module name -> (our fused module, shard id)
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    ignored_checkpoint_tensors = (r"\.rotary_emb\.inv_freq$",)
+
+    def __init__(self, cfg: NemotronLabsDiffusionConfig, tp: TPGroup, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        cfg.check_tensor_parallel(tp.world_size)
+        self.config = cfg
+        self.tp = tp
+        self.encoder = NemotronLDEncoder(cfg, tp, dtype)
+        self.diffusion_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, kv heads on this rank, head_dim): what a KVCache for this rank needs."""
+        attn = self.encoder.layers[0].self_attn
+        return len(self.encoder.layers), attn.num_kv_heads, attn.head_dim
+
+    @property
+    def vocab_start(self) -> int:
+        return self.diffusion_head.vocab_start
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.encoder(ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.diffusion_head(hidden)

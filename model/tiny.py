@@ -1,0 +1,113 @@
+"""Write a tiny random checkpoint in a family's real format, for tests and `make serve`.
+
+    python -m model.tiny OUTDIR --family nemotron-ld [--seed N] [--shards K]
+
+`config.json` carries the real field names, the safetensors the real tensor names (optionally sharded
+with `model.safetensors.index.json`), plus `generation_config.json` and an offline-built tokenizer
+whose special tokens sit at the ids the config names. Weights are random but scaled so that
+distributions are peaked enough for greedy decoding to be well separated from ties.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from model.tiny_tokenizer import MISTRAL_STYLE_CHAT_TEMPLATE, build_tiny_tokenizer
+
+# Divisible by tp = 1, 2, 3 (heads, kv heads, intermediate); the vocabulary (997, prime) is not.
+NEMOTRON_LD_TINY_CONFIG = {
+    "architectures": ["NemotronLabsDiffusionModel"],
+    "model_type": "nemotron_labs_diffusion",
+    "auto_map": {"AutoModel": "modeling_nemotron_labs_diffusion.NemotronLabsDiffusionModel"},
+    "attention_bias": False, "attention_dropout": 0.0, "block_size": 32, "bos_token_id": 1,
+    "dlm_paradigm": "bidirectional", "eos_token_id": 2, "head_dim": 16, "hidden_act": "silu",
+    "hidden_size": 96, "intermediate_size": 192, "mask_token_id": 100,
+    "max_position_embeddings": 1024, "mlp_bias": False, "num_attention_heads": 12,
+    "num_hidden_layers": 2, "num_key_value_heads": 6, "rms_norm_eps": 1e-05,
+    # original_max_position_embeddings 64 so that the Llama-4 query scale changes within short tests
+    "rope_parameters": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 16.0, "llama_4_scaling_beta": 0.1,
+                        "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
+                        "rope_theta": 1000000.0, "rope_type": "yarn"},
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "float32", "vocab_size": 997,
+}
+NEMOTRON_LD_SPECIAL_TOKENS = {0: "<unk>", 1: "<s>", 2: "</s>", 3: "[INST]", 4: "[/INST]", 100: "<|mask|>"}
+
+
+def nemotron_ld_tensors(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+
+    def matrix(rows: int, cols: int, std: float | None = None) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=gen) * (std if std is not None else 1 / math.sqrt(cols))
+
+    def norm() -> torch.Tensor:
+        return 1 + 0.1 * torch.randn(h, generator=gen)
+
+    tensors = {"encoder.embed_tokens.weight": matrix(cfg["vocab_size"], h, 1.0)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"encoder.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
+            p + "self_attn.q_proj.weight": matrix(q, h), p + "self_attn.k_proj.weight": matrix(kv, h),
+            p + "self_attn.v_proj.weight": matrix(kv, h), p + "self_attn.o_proj.weight": matrix(h, q),
+            p + "mlp.gate_proj.weight": matrix(inter, h), p + "mlp.up_proj.weight": matrix(inter, h),
+            p + "mlp.down_proj.weight": matrix(h, inter),
+        }
+    tensors["encoder.norm.weight"] = norm()
+    tensors["diffusion_head.weight"] = matrix(cfg["vocab_size"], h, 0.3)
+    return tensors
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], outdir: Path, shards: int) -> None:
+    names = list(tensors)
+    if shards <= 1:
+        save_file(tensors, outdir / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for k in range(shards):
+        file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n].contiguous() for n in names[k::shards]}
+        save_file(part, outdir / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, file)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (outdir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_nemotron_ld(outdir: Path, seed: int = 0, shards: int = 1, **overrides) -> Path:
+    cfg = {**NEMOTRON_LD_TINY_CONFIG, **overrides}
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "config.json").write_text(json.dumps(cfg, indent=2))
+    generation = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
+    (outdir / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    save_safetensors(nemotron_ld_tensors(cfg, seed), outdir, shards)
+    specials = NEMOTRON_LD_SPECIAL_TOKENS
+    build_tiny_tokenizer(outdir, vocab_size=cfg["vocab_size"], special_tokens=specials,
+                         bos_token=specials[cfg["bos_token_id"]], eos_token=specials[cfg["eos_token_id"]],
+                         pad_token=None, mask_token=specials[cfg["mask_token_id"]],
+                         chat_template=MISTRAL_STYLE_CHAT_TEMPLATE)
+    return outdir
+
+
+FAMILIES = {"nemotron-ld": write_nemotron_ld}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m model.tiny", description=__doc__.split("\n\n")[0])
+    parser.add_argument("outdir", type=Path)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="nemotron-ld")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shards", type=int, default=1)
+    args = parser.parse_args(argv)
+    FAMILIES[args.family](args.outdir, seed=args.seed, shards=args.shards)
+    print(f"wrote a tiny {args.family} checkpoint to {args.outdir}")
+
+
+if __name__ == "__main__":
+    main()
