@@ -1,0 +1,61 @@
+"""The messages between the scheduler (workers/) and a shard's runner (model/).
+
+Commands carry what changed (slots to free, new requests with their prompts), never histories; the
+runner keeps every slot's state on its device. Events come back once per command.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from model.sampling.params import DecodeParams
+
+
+@dataclass(frozen=True)
+class NewSlot:
+    slot: int
+    prompt: tuple[int, ...]
+    params: DecodeParams
+    seed: int  # the request's seed, or one the scheduler drew: every rank uses the same
+
+
+@dataclass(frozen=True)
+class Command:
+    release: tuple[int, ...] = ()      # slots to free before anything else (finished or cancelled)
+    admit: tuple[NewSlot, ...] = ()    # slots to prefill in this command's first step
+    max_steps: int = 1                 # forwards at most; the command also returns after any block
+
+
+@dataclass
+class Block:
+    """Tokens one slot emitted in one step (a committed canvas, AR tokens, an accepted draft), each with
+    the scores its request asked for, captured from the distribution it was revealed/sampled from."""
+
+    slot: int
+    tokens: list[int]
+    denoising_steps: int = 0                     # denoise forwards this canvas took (0 for AR)
+    logprobs: list[float] | None = None          # sampled-token logprob per token
+    ranks: list[int] | None = None
+    top_ids: list[list[int]] | None = None       # [token][k]
+    top_logprobs: list[list[float]] | None = None
+
+
+@dataclass
+class StepCounters:
+    """SPEC.md section 8, counted by the runner."""
+
+    committed_tokens: int = 0
+    denoising_steps: int = 0     # forwards over a canvas that are not commits
+    canvas_positions: int = 0    # positions evaluated by those forwards
+    canvases: int = 0            # commits
+    forwards: int = 0            # every model forward (prefill, denoise, commit, AR, draft, verify)
+
+    def add(self, other: "StepCounters") -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
+class Events:
+    blocks: list[Block] = field(default_factory=list)
+    steps: int = 0
+    counters: StepCounters = field(default_factory=StepCounters)

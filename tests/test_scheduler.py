@@ -1,0 +1,299 @@
+import random
+
+import pytest
+
+from model.protocol import Block, Command, Events, NewSlot, StepCounters
+from model.sampling.params import DecodeParams
+from workers.scheduler import QueueFull, Scheduler, derived_metrics
+
+EOS = 2
+C = 32
+
+
+def make(num_slots=2, max_queue=4, max_model_len=256, **kw):
+    return Scheduler(num_slots, max_queue, (EOS,), max_model_len, C, **kw)
+
+
+def params(**kw):
+    return DecodeParams(**{"max_tokens": 64, **kw})
+
+
+def canvas(slot, tokens, steps=4, scores=False):
+    """A committed block; scores make token t's logprob -t and rank t so truncation can be checked."""
+    if not scores:
+        return Block(slot, list(tokens), steps)
+    return Block(slot, list(tokens), steps, [-float(t) for t in tokens], list(tokens),
+                 [[t, t + 1] for t in tokens], [[-float(t), -float(t + 1)] for t in tokens])
+
+
+def body(n, start=10):
+    """n tokens that are neither EOS nor any stop id used below."""
+    return list(range(start, start + n))
+
+
+def run(s, *blocks, counters=None):
+    command = s.schedule()
+    assert command is not None
+    return command, s.apply(Events(list(blocks), 1, counters or StepCounters()))
+
+
+def test_fifo_admission_into_lowest_free_slots():
+    s = make(num_slots=3, max_queue=8)
+    for i in range(4):
+        s.add(f"r{i}", [1, 5, 6], params(seed=i))
+    command = s.schedule()
+    assert command == Command((), tuple(NewSlot(i, (1, 5, 6), params(seed=i), i) for i in range(3)), 8)
+    assert (s.num_running, s.num_waiting, s.free_slots) == (3, 1, 0)
+    s.apply(Events())
+    # Slot 1 finishes: the next command releases it and hands it to the oldest waiting request.
+    command, _ = run(s, Block(1, [EOS] + body(31)))
+    assert command == Command((), (), 8)
+    command = s.schedule()
+    assert command.release == (1,) and [(a.slot, a.seed) for a in command.admit] == [(1, 3)]
+    assert command.max_steps == 8
+
+
+def test_released_slot_reused_in_same_command_and_lowest_first():
+    s = make(num_slots=4)
+    for i in range(4):
+        s.add(f"r{i}", [1], params())
+    run(s)
+    run(s, Block(3, [EOS]), Block(0, [EOS]), Block(2, body(5)))
+    s.add("late0", [1], params())
+    s.add("late1", [1], params())
+    command = s.schedule()
+    assert sorted(command.release) == [0, 3]
+    assert [a.slot for a in command.admit] == [0, 3]
+    assert [a.prompt for a in command.admit] == [(1,), (1,)]
+
+
+def test_queue_bound_counts_only_requests_that_must_wait():
+    s = make(num_slots=2, max_queue=1)
+    for i in range(3):  # two take the free slots, one waits
+        s.add(f"r{i}", [1], params())
+    with pytest.raises(QueueFull):
+        s.add("r3", [1], params())
+    assert s.num_waiting == 3
+    s.schedule()
+    with pytest.raises(QueueFull):
+        s.add("r3", [1], params())
+    s.cancel("r2")
+    s.add("r3", [1], params())
+
+
+def test_zero_queue_accepts_only_what_free_slots_take():
+    s = make(num_slots=1, max_queue=0)
+    s.add("a", [1], params())
+    with pytest.raises(QueueFull):
+        s.add("b", [1], params())
+
+
+@pytest.mark.parametrize("mode,prompt_len,max_tokens,ok", [
+    ("diffusion", 224, 32, True),     # 224 + 32 = 256
+    ("diffusion", 224, 17, True),     # rounds up to one canvas
+    ("diffusion", 225, 17, False),    # 225 + 32 > 256
+    ("diffusion", 200, 33, False),    # two canvases: 200 + 64 > 256
+    ("linear_spec", 225, 1, False),
+    ("ar", 225, 31, True),            # AR needs only max_tokens positions
+    ("ar", 225, 32, False),
+    ("ar", 256, 1, False),            # the prompt alone fills the context
+])
+def test_budget_must_fit_max_model_len(mode, prompt_len, max_tokens, ok):
+    s = make(max_model_len=256)
+    p = params(mode=mode, max_tokens=max_tokens, temperature=0 if mode == "linear_spec" else None)
+    if ok:
+        s.add("r", [1] * prompt_len, p)
+        return
+    with pytest.raises(ValueError, match=rf"max_tokens={max_tokens}.*max_model_len=256") as err:
+        s.add("r", [1] * prompt_len, p)
+    assert str(prompt_len) in str(err.value)
+    assert s.num_waiting == 0
+
+
+def test_bad_requests_and_bad_construction():
+    s = make()
+    with pytest.raises(ValueError, match="empty"):
+        s.add("r", [], params())
+    s.add("r", [1], params())
+    with pytest.raises(ValueError, match="'r'"):
+        s.add("r", [1], params())
+    with pytest.raises(ValueError, match="num_slots=0"):
+        make(num_slots=0)
+    with pytest.raises(ValueError, match="max_steps_per_command=0"):
+        make(max_steps_per_command=0)
+
+
+def test_eos_kept_rest_and_their_scores_dropped():
+    s = make()
+    req = s.add("r", [1], params(logprobs=2))
+    run(s)
+    tokens = body(5) + [EOS] + body(3, start=40) + [EOS] + body(22, start=50)
+    _, outs = run(s, canvas(0, tokens, steps=7, scores=True))
+    (out,) = outs
+    kept = body(5) + [EOS]
+    assert out.new_tokens == kept and out.finished and out.finish_reason == "stop"
+    assert out.new_logprobs == [-float(t) for t in kept] and out.new_ranks == kept
+    assert out.new_top_ids == [[t, t + 1] for t in kept]
+    assert out.new_top_logprobs == [[-float(t), -float(t + 1)] for t in kept]
+    assert (req.output, req.logprobs, req.ranks) == (kept, out.new_logprobs, kept)
+    assert req.finish_reason == "stop" and req.slot is None
+    assert (req.denoising_steps, req.canvases) == (7, 1)
+    assert req.arrival_time <= req.first_token_time <= req.finish_time
+
+
+def test_ignore_eos_continues_past_eos():
+    s = make()
+    req = s.add("r", [1], params(ignore_eos=True, max_tokens=40))
+    run(s)
+    first = [EOS] * 3 + body(29)
+    _, (out,) = run(s, canvas(0, first))
+    assert out.new_tokens == first and not out.finished and out.new_logprobs is None
+    _, (out,) = run(s, canvas(0, [EOS] * 32))
+    assert out.new_tokens == [EOS] * 8 and out.finish_reason == "length"
+    assert req.output == first + [EOS] * 8
+
+
+def test_stop_token_ids_stop_like_eos_even_with_ignore_eos():
+    s = make()
+    s.add("r", [1], params(stop_token_ids=(7, 8), ignore_eos=True))
+    run(s)
+    _, (out,) = run(s, canvas(0, body(3) + [EOS, 8, 7] + body(26)))
+    assert out.new_tokens == body(3) + [EOS, 8] and out.finish_reason == "stop"
+
+
+def test_max_tokens_17_across_two_canvases():
+    s = make()
+    req = s.add("r", [1], params(max_tokens=17, logprobs=0))
+    run(s)
+    _, (out,) = run(s, Block(0, body(10), 3, [-1.0] * 10, [1] * 10))
+    assert out.new_tokens == body(10) and not out.finished
+    assert out.new_top_ids == [[]] * 10  # logprobs=0: no alternatives
+    _, (out,) = run(s, Block(0, body(32, start=100), 5, [-2.0] * 32, [2] * 32))
+    assert out.new_tokens == body(7, start=100) and out.finish_reason == "length"
+    assert out.new_logprobs == [-2.0] * 7 and len(req.ranks) == 17
+    assert req.output == body(10) + body(7, start=100)
+    assert (req.denoising_steps, req.canvases) == (8, 2)
+
+
+def test_eos_exactly_at_the_budget_is_a_stop():
+    s = make()
+    s.add("r", [1], params(max_tokens=4))
+    run(s)
+    _, (out,) = run(s, canvas(0, body(3) + [EOS] + body(28)))
+    assert out.new_tokens == body(3) + [EOS] and out.finish_reason == "stop"
+
+
+def test_eos_past_the_budget_is_a_length():
+    s = make()
+    s.add("r", [1], params(max_tokens=3))
+    run(s)
+    _, (out,) = run(s, canvas(0, body(3) + [EOS]))
+    assert out.new_tokens == body(3) and out.finish_reason == "length"
+
+
+def test_cancel_waiting_and_running():
+    s = make(num_slots=1)
+    a = s.add("a", [1], params(logprobs=1))
+    s.add("b", [1], params())
+    s.add("c", [1], params())
+    out = s.cancel("b")
+    assert out.finished and out.finish_reason == "abort" and out.new_tokens == [] and out.new_logprobs is None
+    command = s.schedule()
+    assert [n.slot for n in command.admit] == [0] and s.num_waiting == 1
+    s.apply(Events())
+    out = s.cancel("a")
+    assert out.finish_reason == "abort" and out.new_logprobs == [] and a.finish_reason == "abort"
+    assert s.cancel("a") is None and s.cancel("nobody") is None
+    command = s.schedule()
+    assert command.release == (0,) and [n.slot for n in command.admit] == [0]
+    # The cancelled id is free again once it is finished.
+    s.add("a", [1], params())
+
+
+def test_blocks_for_released_or_empty_slots_ignored():
+    s = make(num_slots=2)
+    a = s.add("a", [1], params())
+    run(s)
+    s.cancel("a")
+    _, outs = run(s, Block(0, body(32)), Block(1, body(32)))
+    assert outs == [] and a.output == []
+
+
+def test_blocks_of_a_slots_previous_occupant_ignored_when_scheduling_ahead():
+    s = make(num_slots=1)
+    s.add("a", [1], params())
+    s.schedule()                      # command 0 admits a
+    s.apply(Events())
+    s.schedule()                      # command 1 runs a
+    s.cancel("a")
+    b = s.add("b", [1], params())
+    command = s.schedule()            # command 2 reuses slot 0 before command 1's events come back
+    assert command.release == (0,) and command.admit[0].slot == 0
+    assert s.apply(Events([Block(0, body(32))])) == []        # command 1: a's block
+    (out,) = s.apply(Events([Block(0, body(32, start=200))]))  # command 2: b's
+    assert out.request_id == "b" and b.output == body(32, start=200)
+
+
+def test_counters_accumulate():
+    s = make()
+    s.add("r", [1], params())
+    run(s, counters=StepCounters(0, 3, 96, 0, 4))
+    run(s, canvas(0, body(32)), counters=StepCounters(32, 2, 64, 1, 3))
+    assert s.counters == StepCounters(32, 5, 160, 1, 7)
+    m = derived_metrics(s.counters, 2.0)
+    assert m == {"committed_throughput": 16.0, "steps_per_canvas": 5.0,
+                 "committed_per_denoising_step": 6.4, "tokens_per_forward": 32 / 7}
+    assert set(derived_metrics(StepCounters(), 0.0).values()) == {None}
+
+
+def test_seeds_explicit_kept_else_drawn_from_scheduler_seed():
+    s = make(seed=123, max_queue=8)
+    explicit = s.add("x", [1], params(seed=5))
+    drawn = [s.add(f"r{i}", [1], params()).seed for i in range(3)]
+    assert explicit.seed == 5
+    rng = random.Random(123)
+    assert drawn == [rng.randrange(2**63) for _ in range(3)]
+    assert len(set(drawn)) == 3
+    again = make(seed=123, max_queue=8)
+    assert [again.add(f"r{i}", [1], params()).seed for i in range(3)] == drawn
+    assert make(seed=124).add("r", [1], params()).seed != drawn[0]
+    command = s.schedule()
+    assert [n.seed for n in command.admit] == [5, drawn[0]]
+
+
+def test_schedule_none_when_idle_and_release_only_command():
+    s = make()
+    assert s.schedule() is None and not s.has_work()
+    s.add("r", [1], params())
+    assert s.has_work()
+    run(s)
+    run(s, canvas(0, [EOS] + body(31)))
+    assert s.has_work() and s.free_slots == 2
+    command = s.schedule()
+    assert command == Command(release=(0,), admit=(), max_steps=0)
+    s.apply(Events())
+    assert s.schedule() is None and not s.has_work()
+
+
+def test_events_without_a_command_are_a_bug():
+    with pytest.raises(AssertionError):
+        make().apply(Events())
+
+
+def test_ar_blocks_of_any_length_count_no_canvases():
+    s = make()
+    req = s.add("r", [1], params(mode="ar", max_tokens=5))
+    run(s)
+    run(s, Block(0, [11]))
+    run(s, Block(0, [12, 13]))
+    _, (out,) = run(s, Block(0, [14, 15, 16]))
+    assert out.new_tokens == [14, 15] and out.finish_reason == "length"
+    assert req.output == [11, 12, 13, 14, 15] and (req.denoising_steps, req.canvases) == (0, 0)
+
+
+def test_empty_block_without_scores_is_accepted():
+    s = make()
+    req = s.add("r", [1], params(mode="ar", logprobs=3))
+    run(s)
+    _, (out,) = run(s, Block(0, []))
+    assert out.new_tokens == [] and out.new_logprobs == [] and not out.finished and req.first_token_time is None

@@ -1,0 +1,62 @@
+"""The in-process engine: the coordinator's step loop with the shards in this process (TP=1) or in
+local processes (TP>1). Used by tests and by `python -m workers.generate`.
+
+    command = scheduler.schedule(); events = shards.execute(command); scheduler.apply(events)
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Sequence
+
+from model.sampling.params import DecodeParams
+from workers.request import Request, RequestOutput
+from workers.scheduler import Scheduler
+from workers.shard_group import InProcessShards, ProcessShards
+
+
+class Engine:
+    def __init__(self, model_dir: str, *, tp: int = 1, num_slots: int = 8, max_model_len: int = 1024,
+                 max_queue: int = 256, max_steps_per_command: int = 8, dtype: str | None = None,
+                 device: str = "cpu", seed: int = 0, load_format: str = "safetensors"):
+        kwargs = dict(num_slots=num_slots, max_model_len=max_model_len, dtype=dtype, device=device,
+                      load_format=load_format)
+        self.shards = InProcessShards(str(model_dir), **kwargs) if tp == 1 else \
+            ProcessShards(str(model_dir), tp, **kwargs)
+        cfg = self.shards.config
+        self.config = cfg
+        self.scheduler = Scheduler(num_slots, max_queue, cfg.eos_token_ids, max_model_len, cfg.canvas_length,
+                                   max_steps_per_command, seed)
+        self._ids = itertools.count()
+
+    def add(self, prompt: Sequence[int], params: DecodeParams, request_id: str | None = None) -> Request:
+        return self.scheduler.add(request_id or f"req-{next(self._ids)}", prompt, params)
+
+    def step(self) -> list[RequestOutput]:
+        command = self.scheduler.schedule()
+        if command is None:
+            return []
+        return self.scheduler.apply(self.shards.execute(command))
+
+    def run(self, requests: list[Request], timeout_s: float = 600.0) -> list[Request]:
+        deadline = time.monotonic() + timeout_s
+        while not all(r.finished for r in requests):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"requests not finished within {timeout_s} s")
+            self.step()
+        return requests
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: DecodeParams | Sequence[DecodeParams]
+                 ) -> list[Request]:
+        if isinstance(params, DecodeParams):
+            params = [params] * len(prompts)
+        return self.run([self.add(p, q) for p, q in zip(prompts, params)])
+
+    def close(self) -> None:
+        self.shards.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

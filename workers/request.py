@@ -1,0 +1,99 @@
+"""One generation request's host-side state, and what one `Scheduler.apply` reports for it."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from model.protocol import Block
+from model.sampling.params import DecodeParams
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_tokens: list[int] = field(default_factory=list)
+    # Lists (one entry per new token) when the request asked for logprobs, else None.
+    new_logprobs: list[float] | None = None
+    new_ranks: list[int] | None = None
+    new_top_ids: list[list[int]] | None = None
+    new_top_logprobs: list[list[float]] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: tuple[int, ...]
+    params: DecodeParams
+    seed: int
+    stop_ids: frozenset[int] = frozenset()   # EOS (unless ignore_eos) and stop_token_ids: kept, then stop
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    finish_reason: str | None = None         # "stop" | "length" | "abort"
+    slot: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    denoising_steps: int = 0
+    canvases: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def finish(self, reason: str) -> RequestOutput:
+        """Marks it finished; the output carries no new tokens (what a cancel reports)."""
+        assert not self.finished, self.request_id
+        self.finish_reason = reason
+        self.finish_time = time.monotonic()
+        self.slot = None
+        return self._output([], [], [], [], [])
+
+    def extend(self, block: Block) -> RequestOutput:
+        """Appends a block's tokens up to the first stop id (kept) and within max_tokens (SPEC.md 3, last
+        paragraph); tokens past the cut are dropped together with their scores."""
+        assert not self.finished, self.request_id
+        tokens = block.tokens[: self.params.max_tokens - len(self.output)]
+        reason = None
+        for i, t in enumerate(tokens):
+            if t in self.stop_ids:
+                tokens, reason = tokens[: i + 1], "stop"
+                break
+        n = len(tokens)
+        if reason is None and len(self.output) + n == self.params.max_tokens:
+            reason = "length"
+        self.output += tokens
+        self.denoising_steps += block.denoising_steps
+        self.canvases += block.denoising_steps > 0
+        if n and self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        scores = ([], [], [], [])
+        k = self.params.logprobs
+        if k is not None and block.tokens:  # the runner sends no scores with an empty block
+            assert block.logprobs is not None and block.ranks is not None, f"slot {block.slot}: scores missing"
+            assert k == 0 or (block.top_ids is not None and block.top_logprobs is not None), block.slot
+            # logprobs=0 asks for the sampled token's score only: the runner may omit alternatives.
+            none = [[] for _ in block.tokens]
+            top_ids = none if block.top_ids is None else block.top_ids
+            top_lps = none if block.top_logprobs is None else block.top_logprobs
+            assert len(block.logprobs) == len(block.ranks) == len(top_ids) == len(top_lps) == len(block.tokens)
+            scores = (block.logprobs[:n], block.ranks[:n], top_ids[:n], top_lps[:n])
+            self.logprobs += scores[0]
+            self.ranks += scores[1]
+            self.top_ids += scores[2]
+            self.top_logprobs += scores[3]
+        if reason is not None:
+            self.finish(reason)
+        return self._output(tokens, *scores)
+
+    def _output(self, tokens, logprobs, ranks, top_ids, top_logprobs) -> RequestOutput:
+        asked = self.params.logprobs is not None
+        return RequestOutput(
+            self.request_id, list(tokens),
+            list(logprobs) if asked else None, list(ranks) if asked else None,
+            list(top_ids) if asked else None, list(top_logprobs) if asked else None,
+            self.finished, self.finish_reason)

@@ -1,0 +1,158 @@
+"""Admission, slots and the end of requests: pure python (no torch, no ray).
+
+The coordinator's step: `command = scheduler.schedule(); events = shards.execute(command);
+scheduler.apply(events)`. Events must be applied in the order their commands were scheduled, but
+schedule() may run ahead of apply() (the next command prepared while the current one runs): a slot's
+blocks from commands scheduled before its current request was admitted belong to the slot's previous
+occupant and are ignored, like blocks for slots that no request holds.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from typing import Sequence
+
+from model.protocol import Command, Events, NewSlot, StepCounters
+from model.sampling.params import DecodeParams
+from workers.request import Request, RequestOutput
+
+
+class QueueFull(Exception):
+    """The bounded waiting queue is full; the caller should retry later (HTTP 429/503, Retry-After)."""
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, max_queue: int, eos_token_ids: Sequence[int], max_model_len: int,
+                 canvas_length: int, max_steps_per_command: int = 8, seed: int = 0):
+        for name, value, least in (("num_slots", num_slots, 1), ("max_queue", max_queue, 0),
+                                   ("max_model_len", max_model_len, 1), ("canvas_length", canvas_length, 1),
+                                   ("max_steps_per_command", max_steps_per_command, 1)):
+            if value < least:
+                raise ValueError(f"{name}={value} must be >= {least}")
+        self.num_slots = num_slots
+        self.max_queue = max_queue
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.canvas_length = canvas_length
+        self.max_steps_per_command = max_steps_per_command
+        self.counters = StepCounters()   # totals since start (SPEC.md section 8)
+        self._rng = random.Random(seed)
+        self._slots: list[Request | None] = [None] * num_slots
+        self._admitted_by = [0] * num_slots   # sequence number of the command that admitted the occupant
+        self._waiting: deque[Request] = deque()
+        self._live: dict[str, Request] = {}    # waiting or running
+        self._release: list[int] = []          # slots to free in the next command
+        self._scheduled = 0                    # commands handed out
+        self._applied = 0                      # events applied
+
+    @property
+    def num_running(self) -> int:
+        return sum(r is not None for r in self._slots)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def free_slots(self) -> int:
+        """Slots no request holds (those still to be released count: the next command frees them first)."""
+        return self.num_slots - self.num_running
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._release or self.num_running)
+
+    def add(self, request_id: str, prompt: Sequence[int], params: DecodeParams) -> Request:
+        """Queues a request (FIFO). `max_queue` bounds the requests that must wait for a slot: those that
+        free slots take at the next schedule() do not count against it."""
+        prompt = tuple(prompt)
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if request_id in self._live:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        # Diffusion and linear speculation write whole canvases, so the last one may run past max_tokens.
+        positions = params.max_tokens if params.mode == "ar" else \
+            math.ceil(params.max_tokens / self.canvas_length) * self.canvas_length
+        if len(prompt) + positions > self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} "
+                f"({positions} positions in {params.mode} mode, canvas_length={self.canvas_length}) "
+                f"exceeds max_model_len={self.max_model_len}")
+        if len(self._waiting) - self.free_slots >= self.max_queue:
+            raise QueueFull(f"{len(self._waiting)} requests waiting (max_queue={self.max_queue})")
+        seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        request = Request(request_id, prompt, params, seed, stop_ids)
+        self._waiting.append(request)
+        self._live[request_id] = request
+        return request
+
+    def cancel(self, request_id: str) -> RequestOutput | None:
+        """Finishes a waiting or running request with "abort"; None if it is finished or unknown."""
+        request = self._live.get(request_id)
+        if request is None:
+            return None
+        if request.slot is None:
+            self._waiting.remove(request)
+            del self._live[request_id]
+        else:
+            self._vacate(request.slot)
+        return request.finish("abort")
+
+    def schedule(self) -> Command | None:
+        """The next command: pending releases, then waiting requests into the lowest free slots."""
+        admit = []
+        free = [s for s, r in enumerate(self._slots) if r is None]
+        for slot in free[: len(self._waiting)]:
+            request = self._waiting.popleft()
+            request.slot = slot
+            self._slots[slot], self._admitted_by[slot] = request, self._scheduled
+            admit.append(NewSlot(slot, request.prompt, request.params, request.seed))
+        running = self.num_running
+        if not (running or admit or self._release):
+            return None
+        release, self._release = tuple(self._release), []
+        self._scheduled += 1
+        # With nothing left running, the command only frees slots: no forward to run.
+        return Command(release, tuple(admit), self.max_steps_per_command if running else 0)
+
+    def apply(self, events: Events) -> list[RequestOutput]:
+        """Appends each block to its slot's request, truncated at a stop id or max_tokens (see
+        Request.extend); a request that finished gives its slot back in the next command."""
+        assert self._applied < self._scheduled, "events for a command that was never scheduled"
+        command = self._applied
+        self._applied += 1
+        self.counters.add(events.counters)
+        outputs = []
+        slots = set()
+        for block in events.blocks:
+            assert 0 <= block.slot < self.num_slots and block.slot not in slots, f"block for slot {block.slot}"
+            slots.add(block.slot)
+            request = self._slots[block.slot]
+            if request is None or self._admitted_by[block.slot] > command:
+                continue
+            output = request.extend(block)
+            if output.finished:
+                self._vacate(block.slot)
+            outputs.append(output)
+        return outputs
+
+    def _vacate(self, slot: int) -> None:
+        request = self._slots[slot]
+        assert request is not None and slot not in self._release, slot
+        self._slots[slot] = None
+        self._release.append(slot)
+        del self._live[request.request_id]
+
+
+def derived_metrics(c: StepCounters, wall_time_s: float) -> dict[str, float | None]:
+    """SPEC.md section 8's derived metrics; a ratio whose denominator is 0 is None (undefined, not 0)."""
+    def ratio(num: float, den: float) -> float | None:
+        return num / den if den > 0 else None
+
+    return {
+        "committed_throughput": ratio(c.committed_tokens, wall_time_s),   # tokens / s
+        "steps_per_canvas": ratio(c.denoising_steps, c.canvases),
+        "committed_per_denoising_step": ratio(c.committed_tokens, c.denoising_steps),
+        "tokens_per_forward": ratio(c.committed_tokens, c.forwards),
+    }
