@@ -111,12 +111,14 @@ def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = 
 def fill_dummy(model: nn.Module, seed: int = 0) -> None:
     """Random weights for benchmarks of full-size shapes without a checkpoint: matrices ~ N(0, 0.02),
     norm weights 1 (a norm scaled by 0.02 would shrink every activation towards zero)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gens: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():
         if param.dim() == 1:
             param.data.fill_(1.0)
-        else:  # on CPU then copied: one generator, the same numbers on every device
-            param.data.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+            continue
+        # drawn where the parameter lives: an 8B model's worth of CPU draws would take minutes
+        gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
+        param.data.normal_(0.0, 0.02, generator=gen)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,74 @@
+"""`serve run deployments.app:build_app model=DIR tensor_parallel_size=N ...`: the application's
+arguments, validated (strings from the command line are coerced; an unknown name is an error)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_MODEL_CACHE = Path(os.environ.get("DLLM_CACHE", Path.home() / ".cache" / "dllm-serve"))
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(None, description="checkpoint directory; default: a tiny model made on first use")
+    served_model_name: str | None = None
+    tensor_parallel_size: int = Field(1, ge=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    load_format: Literal["safetensors", "dummy"] = "safetensors"
+    max_num_seqs: int = Field(8, ge=1, description="slots per replica")
+    max_model_len: int = Field(2048, ge=1)
+    max_queue: int = Field(64, ge=0, description="requests waiting for a slot before 429")
+    max_steps_per_command: int = Field(32, ge=1)
+    num_replicas: int = Field(1, ge=1)
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    api_key: str | None = None
+    request_timeout_s: float = Field(600.0, gt=0)
+    command_timeout_s: float = Field(120.0, gt=0)
+    # server-wide decoding defaults, overridable per request (`diffusion` object)
+    mode: Literal["diffusion", "ar", "linear_spec"] = "diffusion"
+    policy: Literal["threshold", "low_confidence", "leftmost", "entropy_bound"] = "threshold"
+    threshold: float = Field(0.9, gt=0, le=1)
+    entropy_bound: float = Field(0.1, gt=0)
+    max_denoising_steps: int | None = Field(None, ge=1)
+
+    def model_dir(self) -> str:
+        return self.model or str(default_model_dir())
+
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir()).name
+
+    def use_gpu(self) -> bool:
+        if self.device == "auto":
+            import torch
+
+            return torch.cuda.is_available()
+        return self.device == "cuda"
+
+    def torch_dtype(self) -> str | None:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.use_gpu() else None  # None: the checkpoint's own
+
+    def decode_defaults(self) -> dict:
+        return {"mode": self.mode, "policy": self.policy, "threshold": self.threshold,
+                "entropy_bound": self.entropy_bound, "max_denoising_steps": self.max_denoising_steps}
+
+
+def default_model_dir() -> Path:
+    """The embedded default model: a tiny Nemotron-Labs-Diffusion checkpoint written on first use."""
+    from model.tiny import write_nemotron_ld
+
+    path = DEFAULT_MODEL_CACHE / "tiny-nemotron-ld"
+    if not (path / "config.json").is_file():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        write_nemotron_ld(tmp)
+        try:
+            tmp.rename(path)
+        except OSError:  # another process won the race; use its copy
+            pass
+    return path

@@ -1,0 +1,167 @@
+"""Coordinator: one model instance (one Serve replica) — its shards, its scheduler and its step loop.
+
+    command = scheduler.schedule(); events = await shards.execute(command); scheduler.apply(events)
+
+The loop runs as an asyncio task on the replica's event loop and never blocks it (shard calls are
+awaited). `generate` streams a request's blocks as they commit; a caller that goes away (client
+disconnect, stop string) cancels the stream and the slot is freed at the next step boundary. When a
+shard fails, every in-flight request ends with an error saying so, the shard group is rebuilt, and
+later requests are served; if it cannot be rebuilt, the health check fails and Serve replaces the
+replica.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import AsyncIterator
+
+from model.config import load_model_config
+from model.protocol import StepCounters
+from model.sampling.params import DecodeParams
+from workers.request import RequestOutput
+from workers.scheduler import QueueFull, Scheduler, derived_metrics
+from workers.shard_group import ShardFailure
+
+log = logging.getLogger("dllm.coordinator")
+
+
+class RequestError(Exception):
+    """Ends a stream: `kind` maps to an HTTP status at the ingress."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind, self.message = kind, message
+
+
+class Coordinator:
+    """Not a Serve deployment by itself: deployments/app wraps it (workers never import Serve's HTTP
+    side). `shards` is anything with async start/execute/ping/stop (RayShards in production)."""
+
+    def __init__(self, model_dir: str, shards, *, num_slots: int, max_model_len: int, max_queue: int,
+                 max_steps_per_command: int, seed: int = 0, request_timeout_s: float = 600.0):
+        self.config = load_model_config(model_dir)
+        self.shards = shards
+        self.num_slots, self.max_model_len, self.max_queue = num_slots, max_model_len, max_queue
+        self.max_steps_per_command, self.seed = max_steps_per_command, seed
+        self.request_timeout_s = request_timeout_s
+        self.scheduler = self._new_scheduler()
+        self.streams: dict[str, asyncio.Queue] = {}
+        self._ids = itertools.count()
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._started = False
+        self._healthy = True
+        self.failures = 0
+        self._retired = StepCounters()  # counters of schedulers replaced after a failure
+        self.started_at = time.monotonic()
+
+    def _new_scheduler(self) -> Scheduler:
+        return Scheduler(self.num_slots, self.max_queue, self.config.eos_token_ids, self.max_model_len,
+                         self.config.canvas_length, self.max_steps_per_command, self.seed)
+
+    async def start(self) -> None:
+        if not self._started:
+            try:
+                await self.shards.start()
+            except ShardFailure as err:
+                self._healthy = False
+                raise RequestError("shard_failure", f"the model shards could not start: {err}") from None
+            self._started, self._healthy = True, True
+        if self._loop_task is None or self._loop_task.done():
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    # ---- requests -------------------------------------------------------------------------------
+    async def generate(self, prompt: list[int], params: DecodeParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields RequestOutputs until one is finished. The first one, with no tokens, says the request
+        was admitted to the queue; raises RequestError ("queue_full", "invalid", "shard_failure",
+        "timeout")."""
+        await self.start()  # the first request starts the shards
+        request_id = request_id or f"cmpl-{next(self._ids)}"
+        try:
+            self.scheduler.add(request_id, prompt, params)
+        except QueueFull:
+            raise RequestError("queue_full", f"the request queue is full ({self.max_queue} waiting)") from None
+        except ValueError as err:
+            raise RequestError("invalid", str(err)) from None
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[request_id] = queue
+        self._wake.set()
+        finished = False
+        deadline = time.monotonic() + self.request_timeout_s
+        try:
+            yield RequestOutput(request_id)
+            while not finished:
+                remaining = deadline - time.monotonic()
+                try:
+                    item = await asyncio.wait_for(queue.get(), max(remaining, 0.001))
+                except asyncio.TimeoutError:
+                    raise RequestError("timeout", f"request not finished within {self.request_timeout_s} s") from None
+                if isinstance(item, RequestError):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self.streams.pop(request_id, None)
+            if not finished:  # the caller went away: free the slot at the next step boundary
+                self.scheduler.cancel(request_id)
+                self._wake.set()
+
+    # ---- the step loop --------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            command = self.scheduler.schedule()
+            if command is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                events = await self.shards.execute(command)
+            except ShardFailure as err:
+                await self._recover(err)
+                continue
+            for out in self.scheduler.apply(events):
+                queue = self.streams.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+            await asyncio.sleep(0)  # let streams and new requests in between commands
+
+    async def _recover(self, err: ShardFailure) -> None:
+        """Ends every in-flight request with the failure, then rebuilds the shard group."""
+        self.failures += 1
+        log.error("shard failure, rebuilding the shard group: %s", err)
+        failure = RequestError("shard_failure", f"model shard failed: {err}")
+        for queue in self.streams.values():
+            queue.put_nowait(failure)
+        self._retired.add(self.scheduler.counters)
+        self.scheduler = self._new_scheduler()
+        self.shards.stop()
+        self._started = False
+        try:
+            await self.shards.start()
+            self._started = True
+            self._healthy = True
+        except ShardFailure as again:
+            log.error("could not rebuild the shard group: %s", again)
+            self._healthy = False
+
+    # ---- operations -----------------------------------------------------------------------------
+    async def check_health(self) -> None:
+        if not self._healthy:
+            raise RuntimeError("the shard group is down and could not be rebuilt")
+        if self._started:
+            await self.shards.ping()
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        counters = StepCounters()
+        counters.add(self._retired)
+        counters.add(s.counters)
+        wall = time.monotonic() - self.started_at
+        return {"running": s.num_running, "waiting": s.num_waiting, "free_slots": s.free_slots,
+                "num_slots": self.num_slots, "shard_failures": self.failures,
+                "counters": vars(counters).copy(), "derived": derived_metrics(counters, wall)}

@@ -1,0 +1,68 @@
+"""The shard group of one model instance as Ray actors in the caller's placement group.
+
+`RayShards.start()` creates one ShardWorker per rank in bundles 1..tp, joins their process group and
+loads weights; `execute(cmd)` sends every rank the same command and returns rank 0's events. Every
+wait is bounded; any failure (a dead actor, a timeout) is a ShardFailure, after which the group is
+torn down and can be started again.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import ray
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from model.protocol import Command, Events
+from workers.shard import ShardWorker
+from workers.shard_group import ShardFailure
+
+
+class RayShards:
+    def __init__(self, tp: int, runner_args: dict, *, use_gpu: bool, start_timeout_s: float = 600.0,
+                 command_timeout_s: float = 120.0, collective_timeout_s: float = 60.0):
+        self.tp, self.runner_args, self.use_gpu = tp, runner_args, use_gpu
+        self.start_timeout_s, self.command_timeout_s = start_timeout_s, command_timeout_s
+        self.collective_timeout_s = collective_timeout_s
+        self.workers: list = []
+
+    def _options(self, rank: int) -> dict:
+        opts = {"num_gpus": 1, "num_cpus": 0} if self.use_gpu else {"num_cpus": 1}
+        pg = get_current_placement_group()
+        if pg is not None:  # inside the coordinator's placement group: bundle 0 is the coordinator itself
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=1 + rank,
+                placement_group_capture_child_tasks=True)
+        return opts
+
+    async def start(self) -> None:
+        self.workers = [ShardWorker.options(**self._options(r)).remote(r, self.tp, self.runner_args)
+                        for r in range(self.tp)]
+        try:
+            address = await self._bounded(self.workers[0].rendezvous_address.remote(), self.start_timeout_s)
+            await self._bounded(asyncio.gather(*[w.start.remote(address, self.collective_timeout_s)
+                                                 for w in self.workers]), self.start_timeout_s)
+        except ShardFailure:
+            self.stop()
+            raise
+
+    async def execute(self, cmd: Command) -> Events:
+        refs = [w.execute.remote(cmd) for w in self.workers]
+        results = await self._bounded(asyncio.gather(*refs), self.command_timeout_s)
+        return results[0]
+
+    async def ping(self, timeout_s: float = 10.0) -> None:
+        await self._bounded(asyncio.gather(*[w.ping.remote() for w in self.workers]), timeout_s)
+
+    async def _bounded(self, awaitable, timeout_s: float):
+        try:
+            return await asyncio.wait_for(awaitable, timeout_s)
+        except asyncio.TimeoutError:
+            raise ShardFailure(f"a shard did not answer within {timeout_s:.0f} s") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+            raise ShardFailure(f"a shard failed: {type(err).__name__}: {str(err).splitlines()[0]}") from None
+
+    def stop(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []

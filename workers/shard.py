@@ -1,0 +1,60 @@
+"""ShardWorker: a Ray actor holding one tensor-parallel rank (one GPU, or one CPU process with gloo).
+
+Created by the coordinator in bundle `1 + rank` of its placement group. Rank 0 publishes the
+rendezvous address; every rank joins the process group with a collective timeout, so a dead peer
+fails a command instead of hanging it; loads only its own weight slices; executes commands.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import ray
+import torch
+
+from model.parallel.group import TPGroup
+from model.protocol import Command, Events
+from workers.shard_group import build_runner
+
+
+@ray.remote
+class ShardWorker:
+    def __init__(self, rank: int, world_size: int, runner_args: dict):
+        self.rank, self.world_size, self.args = rank, world_size, runner_args
+        self.runner = None
+        if runner_args["device"].startswith("cuda"):
+            # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU: it is device 0 here.
+            torch.cuda.set_device(0)
+            self.device = "cuda:0"
+        else:
+            self.device = "cpu"
+            torch.set_num_threads(max(1, int(os.environ.get("DLLM_SHARD_THREADS", "1"))))
+
+    def rendezvous_address(self) -> str:
+        """tcp://<node ip>:<free port> (127.0.0.1 when everything is on one node)."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ip}:{port}"
+
+    def start(self, rendezvous: str | None, collective_timeout_s: float) -> bool:
+        tp = TPGroup()
+        if self.world_size > 1:
+            backend = "nccl" if self.device.startswith("cuda") else "gloo"
+            torch.distributed.init_process_group(
+                backend, init_method=rendezvous, rank=self.rank, world_size=self.world_size,
+                timeout=datetime.timedelta(seconds=collective_timeout_s))
+            tp = TPGroup.from_default_group()
+        a = self.args
+        self.runner = build_runner(a["model_dir"], tp, a["num_slots"], a["max_model_len"], a["dtype"],
+                                   self.device, a["load_format"])
+        return True
+
+    def execute(self, cmd: Command) -> Events | None:
+        events = self.runner.execute(cmd)
+        return events if self.rank == 0 else None
+
+    def ping(self) -> int:
+        return self.rank
