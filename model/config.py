@@ -78,8 +78,8 @@ class NemotronLabsDiffusionConfig(_Frozen):
     def _aliases(cls, data: Any) -> Any:
         if isinstance(data, dict):
             data = dict(data)
-            if "rope_parameters" not in data and "rope_scaling" in data:  # pre-v5 name
-                data["rope_parameters"] = {"rope_theta": data.get("rope_theta", 1e6), **data["rope_scaling"]}
+            if "rope_parameters" not in data and ("rope_scaling" in data or "rope_theta" in data):  # pre-v5
+                data["rope_parameters"] = {"rope_theta": data.get("rope_theta", 1e6), **(data.get("rope_scaling") or {})}
             if "dtype" in data and "torch_dtype" not in data:
                 data["torch_dtype"] = data["dtype"]
         return data

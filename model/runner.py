@@ -160,7 +160,8 @@ class Runner:
             counter = torch.tensor([st.draws for st in states], dtype=torch.int64, device=self.device)
             g = gumbel(self.seed[idx], counter, scaled.shape[1], self.model.vocab_start, scaled.shape[-1])
             sampling = (self.temperature[idx] > 0).view(-1, 1, 1)
-            scaled = torch.where(sampling, scaled + g, scaled)
+            # filtered (-inf) entries stay -inf whatever the noise: never a NaN that argmax could pick
+            scaled = torch.where(sampling & torch.isfinite(scaled), scaled + g, scaled)
             for st in states:
                 st.draws += 1
         return R.argmax(scaled, self.model.vocab_start, self.tp)
@@ -194,9 +195,9 @@ class Runner:
         counters.forwards += len(slots)
         for s, n in zip(slots, lengths):
             self.slots[s].length = n
-        self._after_causal(slots, self._logits(last), reads)
+        self._after_causal(slots, self._logits(last), reads, counters)
 
-    def _after_causal(self, slots: list[int], logits: torch.Tensor, reads) -> None:
+    def _after_causal(self, slots: list[int], logits: torch.Tensor, reads, counters: StepCounters) -> None:
         """A causal pass ended at each slot's `length`: its next-token prediction starts what follows."""
         tokens, scores = self._next_token(slots, logits)
         idx = self._rows(slots)
@@ -220,7 +221,7 @@ class Runner:
                     st = self.slots[s]
                     self._store_scores(self.block_scores, [s], [rows[sub_slots.index(s)]], scores,
                                        index=len(st.pending))
-                reads.append((tokens[pick], self._ar_read(sub_slots)))
+                reads.append((tokens[pick], self._ar_read(sub_slots, counters)))
 
     def _store_scores(self, buf: ScoreBuffer, slots: list[int], rows: list[int], scores, index: int) -> None:
         """Scores of the single predicted position of `rows` (indices into the scores' batch)."""
@@ -319,7 +320,7 @@ class Runner:
         steps = [self.slots[s].n for s in slots]
         for s in slots:
             self.slots[s].length += self.C
-        self._after_causal(slots, self._logits(hidden[:, -1]), reads)
+        self._after_causal(slots, self._logits(hidden[:, -1]), reads, counters)
         tokens = self.block_tokens[idx]
 
         def apply(flat, blocks):
@@ -376,6 +377,7 @@ class Runner:
             for s, st, n_acc in zip(slots, states, flat):
                 st.length += n_acc
                 st.emitted += n_acc
+                counters.committed_tokens += n_acc
                 st.phase = DRAFT
                 blocks.append((s, ("draft", n_acc), 1))
         reads.append((accepted, apply))
@@ -393,9 +395,9 @@ class Runner:
         self.last_token[idx] = tokens
         for i, (s, st) in enumerate(zip(slots, states)):
             self._store_scores(self.block_scores, [s], [i], scores, index=len(st.pending))
-        reads.append((tokens, self._ar_read(slots)))
+        reads.append((tokens, self._ar_read(slots, counters)))
 
-    def _ar_read(self, slots: list[int]):
+    def _ar_read(self, slots: list[int], counters: StepCounters):
         def apply(flat, blocks):
             for s, token in zip(slots, flat):
                 st = self.slots[s]
@@ -405,6 +407,7 @@ class Runner:
                 stop = (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids
                 if stop or len(st.pending) == self.C or st.emitted + len(st.pending) >= p.max_tokens:
                     blocks.append((s, list(st.pending), 0))
+                    counters.committed_tokens += len(st.pending)
                     st.emitted += len(st.pending)
                     st.pending = []
         return apply

@@ -19,15 +19,17 @@ from workers.shard_group import ShardFailure
 
 
 class RayShards:
-    def __init__(self, tp: int, runner_args: dict, *, use_gpu: bool, start_timeout_s: float = 600.0,
-                 command_timeout_s: float = 120.0, collective_timeout_s: float = 60.0):
+    def __init__(self, tp: int, runner_args: dict, *, use_gpu: bool, name: str = "shard",
+                 start_timeout_s: float = 600.0, command_timeout_s: float = 120.0, collective_timeout_s: float = 60.0):
         self.tp, self.runner_args, self.use_gpu = tp, runner_args, use_gpu
+        self.name, self.generation = name, 0  # actor names: <name>-<generation>-<rank>, for operators
         self.start_timeout_s, self.command_timeout_s = start_timeout_s, command_timeout_s
         self.collective_timeout_s = collective_timeout_s
         self.workers: list = []
 
     def _options(self, rank: int) -> dict:
         opts = {"num_gpus": 1, "num_cpus": 0} if self.use_gpu else {"num_cpus": 1}
+        opts["name"] = f"{self.name}-{self.generation}-{rank}"
         pg = get_current_placement_group()
         if pg is not None:  # inside the coordinator's placement group: bundle 0 is the coordinator itself
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
@@ -36,6 +38,7 @@ class RayShards:
         return opts
 
     async def start(self) -> None:
+        self.generation += 1
         self.workers = [ShardWorker.options(**self._options(r)).remote(r, self.tp, self.runner_args)
                         for r in range(self.tp)]
         try:

@@ -19,6 +19,8 @@ class RequestOutput:
     new_top_logprobs: list[list[float]] | None = None
     finished: bool = False
     finish_reason: str | None = None
+    denoising_steps: int = 0   # the request's totals so far (usage statistics)
+    canvases: int = 0
 
 
 @dataclass
@@ -96,4 +98,4 @@ class Request:
             self.request_id, list(tokens),
             list(logprobs) if asked else None, list(ranks) if asked else None,
             list(top_ids) if asked else None, list(top_logprobs) if asked else None,
-            self.finished, self.finish_reason)
+            self.finished, self.finish_reason, self.denoising_steps, self.canvases)

@@ -25,7 +25,8 @@ class CoordinatorDeployment:
     def __init__(self, model_dir: str, tp: int, use_gpu: bool, runner_args: dict, engine_args: dict,
                  command_timeout_s: float = 120.0):
         runner_args = {"model_dir": model_dir, "device": "cuda" if use_gpu else "cpu", **runner_args}
-        shards = RayShards(tp, runner_args, use_gpu=use_gpu,
+        ctx = serve.get_replica_context()
+        shards = RayShards(tp, runner_args, use_gpu=use_gpu, name=f"shard-{ctx.app_name}-{ctx.replica_id.unique_id}",
                            command_timeout_s=command_timeout_s)
         self.coordinator = Coordinator(model_dir, shards, **engine_args)
 

@@ -31,12 +31,14 @@ def logsumexp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 
 def entropy(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """H(softmax(x)) = m + log Z - A / Z with Z = sum e^(s-m), A = sum e^(s-m) s."""
+    """H(softmax(x)) = m + log Z - A / Z with Z = sum e^(s-m), A = sum e^(s-m) s; computed as
+    log Z - A' / Z with A' = sum e^(s-m) (s-m), the same value without cancelling large logits."""
     m = global_max(x, tp)
-    e = _shifted_exp(x, m)
-    za = torch.stack([e.sum(dim=-1), torch.where(e > 0, e * x, 0).sum(dim=-1)])
+    shifted = x - torch.where(torch.isfinite(m), m, 0).unsqueeze(-1)
+    e = torch.exp(shifted)
+    za = torch.stack([e.sum(dim=-1), torch.where(e > 0, e * shifted, 0).sum(dim=-1)])
     z, a = tp.all_reduce(za)
-    return m + torch.log(z) - a / z
+    return torch.log(z) - a / z
 
 
 def argmax(x: torch.Tensor, vocab_start: int, tp: TPGroup) -> torch.Tensor:
@@ -74,6 +76,9 @@ def topk(x: torch.Tensor, k: int, vocab_start: int, tp: TPGroup) -> tuple[torch.
     # [tp, ..., k] -> [..., tp * k] in rank order, i.e. ascending ids among equal values.
     all_values = torch.movedim(tp.all_gather(values), 0, -2).flatten(-2)
     all_ids = torch.movedim(tp.all_gather(ids), 0, -2).flatten(-2)
+    # by id first (padding ids are the largest), then stably by value: equal values keep id order
+    by_id = torch.sort(all_ids, dim=-1, stable=True).indices
+    all_values, all_ids = torch.gather(all_values, -1, by_id), torch.gather(all_ids, -1, by_id)
     order = torch.sort(all_values, dim=-1, descending=True, stable=True).indices[..., :k]
     return torch.gather(all_values, -1, order), torch.gather(all_ids, -1, order)
 

@@ -71,5 +71,6 @@ def scale_and_filter(logits: torch.Tensor, temperature: torch.Tensor, vocab_star
         keep &= scaled >= top_k_threshold(scaled, top_k, top_k_max, vocab_start, tp).unsqueeze(-1)
     if top_p is not None:
         kept = torch.where(keep, scaled, -torch.inf)
-        keep &= scaled >= top_p_threshold(kept, top_p, tp).unsqueeze(-1)
+        # top_p = 1 keeps everything, even where fp32 masses of a top set already sum to 1
+        keep &= (scaled >= top_p_threshold(kept, top_p, tp).unsqueeze(-1)) | _rows(top_p >= 1, scaled)
     return torch.where(keep, logits, -torch.inf), torch.where(keep, scaled, -torch.inf)

@@ -32,14 +32,15 @@ def _row_keys(seed: torch.Tensor, counter: torch.Tensor, stream: int) -> torch.T
 
 def uniform(seed: torch.Tensor, counter: torch.Tensor, stream: int, positions: int, vocab_start: int,
             vocab_width: int) -> torch.Tensor:
-    """[R, positions, vocab_width] float32 in (0, 1) with 24 random bits, for R rows of (seed, counter)."""
+    """[R, positions, vocab_width] float32 in (0, 1) with 23 random bits, for R rows of (seed, counter).
+    (23, not 24: (2^24 - 1) + 0.5 rounds to 2^24 in float32, which would give u = 1 and G = inf.)"""
     dev = seed.device
     pos = torch.arange(positions, device=dev, dtype=torch.int64)
     ids = _fmix32(torch.arange(vocab_start, vocab_start + vocab_width, device=dev, dtype=torch.int64))
     row = _row_keys(seed, counter, stream)
     h = _fmix32(row[:, None] ^ pos[None, :])
     h = _fmix32(h[:, :, None] ^ ids[None, None, :])
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 2**23)
 
 
 def gumbel(seed: torch.Tensor, counter: torch.Tensor, positions: int, vocab_start: int,

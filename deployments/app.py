@@ -1,0 +1,268 @@
+"""The OpenAI-compatible ingress and `build_app(args)` for `serve run` / `serve deploy`.
+
+    serve run deployments.app:build_app model=DIR tensor_parallel_size=N
+
+OpenAIIngress is a shim. Its duties: authorise (optional bearer key), validate (pydantic; a bad field
+is a 400 naming it), tokenize (chat template for chat), call the Coordinator deployment through a
+handle, detokenize and apply stop strings (cancelling the request upstream when one hits), and
+answer as JSON or SSE (one chunk per committed block, then `data: [DONE]`). Every endpoint funnels
+into `_generate`; the coordinator handle is injected, so tests and other front ends can swap it.
+"""
+# No `from __future__ import annotations`: FastAPI resolves endpoint annotations at runtime.
+import hmac
+import json
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments.args import AppArgs
+from deployments.metrics import prometheus_text
+from deployments.output import Delta, OutputAssembler, chat_logprobs, completion_logprobs
+from deployments.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+                                  ChatCompletionStreamResponse, ChatDelta, ChatResponseMessage, ChatStreamChoice,
+                                  CompletionChoice, CompletionRequest, CompletionResponse,
+                                  CompletionStreamResponse, ModelCard, ModelList, ParamError, Usage, error_body,
+                                  validation_error_param)
+from workers.serve_coordinator import CoordinatorDeployment, placement_bundles
+
+app = FastAPI(title="dllm-serve", docs_url=None, redoc_url=None)
+
+# coordinator error kind -> (HTTP status, OpenAI error type)
+ERROR_STATUS = {"invalid": (400, "invalid_request_error"), "queue_full": (429, "rate_limit_exceeded"),
+                "shard_failure": (503, "service_unavailable"), "timeout": (503, "timeout")}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 headers: dict | None = None, code: str | None = None):
+        self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
+        self.code = code
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err.message, err.type, err.param, err.code), status_code=err.status,
+                        headers=err.headers)
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, err: APIError) -> JSONResponse:
+    return _error_response(err)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+    message, param = validation_error_param(err.errors())
+    return _error_response(APIError(400, message, param=param))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    return _error_response(APIError(err.status_code, str(err.detail), "invalid_request_error"))
+
+
+def _sse(payload) -> str:
+    data = payload if isinstance(payload, str) else payload.model_dump_json(exclude_none=False)
+    return f"data: {data}\n\n"
+
+
+@serve.deployment(name="OpenAIIngress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, coordinator: DeploymentHandle, args: dict):
+        from transformers import AutoTokenizer
+
+        self.args = AppArgs(**args)
+        self.model_dir = self.args.model_dir()
+        self.model_name = self.args.model_name()
+        self.coordinator = coordinator
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.vocab_size = len(self.tokenizer)
+        self.defaults = self.args.decode_defaults()
+
+    # ---- endpoints ------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> dict:
+        await self.coordinator.check_health.remote()
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> ModelList:
+        self._authorize(request)
+        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.args.max_model_len)])
+
+    @app.get("/metrics")
+    async def metrics(self) -> PlainTextResponse:
+        stats = await self.coordinator.stats.remote()
+        return PlainTextResponse(prometheus_text(stats, self.model_name),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._check(body, request)
+        if isinstance(body.prompt, str):
+            prompt = self.tokenizer(body.prompt).input_ids
+        else:
+            prompt = list(body.prompt)
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt token ids {bad[:5]} are outside [0, {self.vocab_size})", param="prompt")
+        return await self._generate("completion", body, prompt, "prompt")
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        self._check(body, request)
+        try:
+            prompt = self.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True,
+                                                        tokenize=True, return_dict=False)
+        except Exception as err:  # a template's own raise_exception: the messages do not fit it
+            raise APIError(400, f"messages do not fit the model's chat template: {err}", param="messages") from None
+        return await self._generate("chat", body, list(prompt), "messages")
+
+    # ---- the one request path -------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        key = self.args.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise APIError(401, "invalid or missing API key", "authentication_error")
+
+    def _check(self, body, request: Request) -> None:
+        self._authorize(request)
+        if body.model != self.model_name:
+            raise APIError(404, f"the model `{body.model}` does not exist; this server serves `{self.model_name}`",
+                           "invalid_request_error", param="model", code="model_not_found")
+
+    async def _generate(self, kind: str, body, prompt: list[int], prompt_param: str):
+        try:
+            params = body.decode_params(self.defaults)
+        except ParamError as err:
+            raise APIError(400, err.message, param=err.param) from None
+        if len(prompt) >= self.args.max_model_len:
+            raise APIError(400, f"the prompt has {len(prompt)} tokens; this model allows at most "
+                                f"{self.args.max_model_len - 1} before output", param=prompt_param)
+        stream = self.coordinator.options(stream=True).generate.remote(prompt, params)
+        first = await self._next(stream, prompt_param)
+        if first is None:
+            raise APIError(503, "the model stopped without an answer", "service_unavailable")
+        assembler = OutputAssembler(self.tokenizer, body.stop_strings)
+        if body.stream:
+            return StreamingResponse(self._sse_stream(kind, body, prompt, stream, assembler),
+                                     media_type="text/event-stream")
+        return await self._collect(kind, body, prompt, stream, assembler)
+
+    async def _next(self, stream, prompt_param: str):
+        """The next output of the coordinator's stream, None at its end; errors become APIError."""
+        try:
+            item = await stream.__anext__()
+        except StopAsyncIteration:
+            return None
+        if "error" in item:
+            status, type_ = ERROR_STATUS.get(item["error"], (500, "internal_error"))
+            param = "max_tokens" if item["error"] == "invalid" and "max_tokens" in item["message"] else None
+            headers = {"Retry-After": "1"} if status in (429, 503) else None
+            raise APIError(status, item["message"], type_, param, headers)
+        return item["output"]
+
+    async def _outputs(self, stream, assembler: OutputAssembler) -> AsyncIterator[tuple[Delta, object]]:
+        """Deltas of text until the request finishes or a stop string ends it (then upstream is cancelled)."""
+        try:
+            while True:
+                out = await self._next(stream, "prompt")
+                if out is None:
+                    yield assembler.finish(), None
+                    return
+                delta = assembler.add(out)
+                yield delta, out
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            stream.cancel()  # no-op once finished; frees the slot when we stop early
+
+    async def _collect(self, kind: str, body, prompt: list[int], stream, assembler: OutputAssembler):
+        text, ids, lps, tops, offsets, reason, last = "", [], [], [], [], None, None
+        async for delta, out in self._outputs(stream, assembler):
+            text += delta.text
+            ids += delta.token_ids
+            offsets += delta.text_offsets
+            if delta.logprobs is not None:
+                lps += delta.logprobs
+                tops += delta.top
+            reason = delta.finish_reason or reason
+            last = out or last
+        usage = self._usage(prompt, len(ids), last)
+        scored = last is not None and last.new_logprobs is not None
+        if kind == "completion":
+            logprobs = completion_logprobs(self.tokenizer, ids, lps, tops, offsets) if scored else None
+            choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=reason)
+            return CompletionResponse(model=self.model_name, choices=[choice], usage=usage)
+        logprobs = chat_logprobs(self.tokenizer, ids, lps, tops) if scored and body.logprobs else None
+        choice = ChatChoice(index=0, message=ChatResponseMessage(content=text), logprobs=logprobs,
+                            finish_reason=reason)
+        return ChatCompletionResponse(model=self.model_name, choices=[choice], usage=usage)
+
+    async def _sse_stream(self, kind: str, body, prompt: list[int], stream, assembler: OutputAssembler):
+        chunk_id = (CompletionResponse if kind == "completion" else ChatCompletionResponse)(
+            model=self.model_name, choices=[]).id
+        n_tokens, last = 0, None
+        if kind == "chat":
+            yield _sse(ChatCompletionStreamResponse(id=chunk_id, model=self.model_name, choices=[
+                ChatStreamChoice(index=0, delta=ChatDelta(role="assistant", content=""))]))
+        try:
+            async for delta, out in self._outputs(stream, assembler):
+                last = out or last
+                n_tokens += len(delta.token_ids)
+                if not (delta.text or delta.token_ids or delta.finish_reason):
+                    continue
+                yield _sse(self._chunk(kind, body, chunk_id, delta))
+        except APIError as err:  # after the stream began: report in band, then end it
+            yield _sse(json.dumps(error_body(err.message, err.type, err.param, err.code)))
+            yield _sse("[DONE]")
+            return
+        if body.include_usage:
+            usage = self._usage(prompt, n_tokens, last)
+            cls = CompletionStreamResponse if kind == "completion" else ChatCompletionStreamResponse
+            yield _sse(cls(id=chunk_id, model=self.model_name, choices=[], usage=usage))
+        yield _sse("[DONE]")
+
+    def _chunk(self, kind: str, body, chunk_id: str, delta: Delta):
+        scored = delta.logprobs is not None
+        if kind == "completion":
+            logprobs = completion_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, delta.top,
+                                           delta.text_offsets) if scored else None
+            return CompletionStreamResponse(id=chunk_id, model=self.model_name, choices=[CompletionChoice(
+                text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason)])
+        logprobs = chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, delta.top) \
+            if scored and body.logprobs else None
+        return ChatCompletionStreamResponse(id=chunk_id, model=self.model_name, choices=[ChatStreamChoice(
+            index=0, delta=ChatDelta(content=delta.text), logprobs=logprobs, finish_reason=delta.finish_reason)])
+
+    @staticmethod
+    def _usage(prompt: list[int], completion_tokens: int, last) -> Usage:
+        if last is None or last.denoising_steps == 0 and last.canvases == 0:
+            return Usage.of(len(prompt), completion_tokens)
+        return Usage.of(len(prompt), completion_tokens, last.denoising_steps, last.canvases)
+
+
+def build_app(args: dict):
+    """The application for `serve run deployments.app:build_app key=value ...`."""
+    a = AppArgs(**args)
+    model_dir = a.model_dir()
+    use_gpu = a.use_gpu()
+    from model.config import load_model_config
+
+    load_model_config(model_dir).check_tensor_parallel(a.tensor_parallel_size)  # fail at deploy, not at request
+    runner_args = dict(num_slots=a.max_num_seqs, max_model_len=a.max_model_len, dtype=a.torch_dtype(),
+                       load_format=a.load_format)
+    engine_args = dict(num_slots=a.max_num_seqs, max_model_len=a.max_model_len, max_queue=a.max_queue,
+                       max_steps_per_command=a.max_steps_per_command, request_timeout_s=a.request_timeout_s)
+    coordinator = CoordinatorDeployment.options(
+        num_replicas=a.num_replicas, placement_group_bundles=placement_bundles(a.tensor_parallel_size, use_gpu),
+        placement_group_strategy=a.placement_strategy, ray_actor_options={"num_cpus": 1},
+    ).bind(model_dir, a.tensor_parallel_size, use_gpu, runner_args, engine_args, a.command_timeout_s)
+    return OpenAIIngress.bind(coordinator, {**a.model_dump(), "model": model_dir})

@@ -1,0 +1,395 @@
+"""The OpenAI-compatible wire format (pydantic v2): requests, responses, error bodies.
+
+Requests forbid unknown fields, so a misspelt option is a 400 that names it; a JSON `null` means
+"not given" (the field's default). `decode_params(defaults)` turns a request plus the server's
+defaults into the engine's `DecodeParams`, raising `ParamError` (a ValueError) that names the field.
+Responses are plain models shaped like OpenAI's (checked against the `openai` client's types).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
+from pydantic import ValidationInfo
+
+from model.sampling.params import MAX_LOGPROBS, DecodeParams, Mode, RevealPolicy
+
+# ----------------------------------------------------------------------------------------- requests
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class DiffusionOptions(_Strict):
+    """Per-request overrides of the server's diffusion defaults (SPEC.md sections 3 and 5)."""
+
+    mode: Mode | None = None
+    policy: RevealPolicy | None = None
+    threshold: float | None = Field(None, gt=0, le=1)
+    entropy_bound: float | None = Field(None, gt=0)
+    max_denoising_steps: int | None = Field(None, ge=1)
+    seed_first_position: bool | None = None
+    eos_early_stop: bool | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ParamError(ValueError):
+    """A request parameter the engine rejects; `param` is the request's dotted field name (or None)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str
+    temperature: float | None = Field(None, ge=0, le=2)  # None: DecodeParams' per-mode default
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1 disables")
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stop_token_ids: list[int] | None = None
+    user: str | None = None  # accepted, ignored
+    diffusion: DiffusionOptions | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _needs_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"n={v} is not supported; only n=1")
+        return v
+
+    @property
+    def stop_strings(self) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return [s for s in stop if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _decode_params(self, defaults: dict, max_tokens: int, logprobs: int | None,
+                       logprobs_field: str) -> DecodeParams:
+        values = dict(defaults)
+        if self.diffusion is not None:
+            values |= self.diffusion.model_dump(exclude_none=True)
+        given = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "logprobs": logprobs,
+                 "top_k": None if self.top_k is None else max(self.top_k, 0),
+                 "stop_token_ids": None if self.stop_token_ids is None else tuple(self.stop_token_ids)}
+        values |= {k: v for k, v in given.items() if v is not None}
+        values |= {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos}
+        rename = {f: f"diffusion.{f}" for f in DiffusionOptions.model_fields} | {"logprobs": logprobs_field}
+        try:
+            return DecodeParams(**values)
+        except ValidationError as err:
+            raise ParamError(*_describe(err.errors(), rename)) from None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int]
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and not all(isinstance(x, int) for x in v):
+            if len(v) != 1:
+                raise ValueError(f"batch prompts are not supported: send one prompt per request (got {len(v)})")
+            v = v[0]  # ["text"] or [[ids]]
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be empty")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo=true is not supported")
+        return v
+
+    def decode_params(self, defaults: dict) -> DecodeParams:
+        return self._decode_params(defaults, self.max_tokens, self.logprobs, "logprobs")
+
+
+class _TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None  # accepted, ignored
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_parts(cls, v: Any) -> Any:
+        """OpenAI's list-of-parts content: text parts only, joined with newlines (as vLLM does)."""
+        if isinstance(v, list):
+            try:
+                return "\n".join(_TextPart.model_validate(p).text for p in v)
+            except ValidationError:
+                raise ValueError('only text content parts ({"type": "text", "text": ...}) are supported') from None
+        return v
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated alias; max_completion_tokens wins")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs is only allowed when logprobs is true")
+        return v
+
+    @property
+    def max_output_tokens(self) -> int:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens if self.max_tokens is not None else 16
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages as `tokenizer.apply_chat_template` takes them."""
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+    def decode_params(self, defaults: dict) -> DecodeParams:
+        k = (self.top_logprobs or 0) if self.logprobs else None
+        return self._decode_params(defaults, self.max_output_tokens, k, "top_logprobs")
+
+
+# ---------------------------------------------------------------------------------------- responses
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class DiffusionUsage(BaseModel):
+    """Diffusion metrics of one request (SPEC.md section 8): `denoising_steps` excludes commits,
+    `canvases` counts commits; derived ratios are None when their denominator is 0 (AR mode)."""
+
+    denoising_steps: int
+    canvases: int
+    steps_per_canvas: float | None = None   # denoising_steps / canvases
+    tokens_per_step: float | None = None    # completion tokens / denoising_steps
+
+    @classmethod
+    def of(cls, denoising_steps: int, canvases: int, completion_tokens: int) -> "DiffusionUsage":
+        return cls(denoising_steps=denoising_steps, canvases=canvases,
+                   steps_per_canvas=denoising_steps / canvases if canvases else None,
+                   tokens_per_step=completion_tokens / denoising_steps if denoising_steps else None)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    diffusion: DiffusionUsage | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, denoising_steps: int | None = None,
+           canvases: int | None = None) -> "Usage":
+        diffusion = None
+        if denoising_steps is not None:
+            diffusion = DiffusionUsage.of(denoising_steps, canvases or 0, completion_tokens)
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens, diffusion=diffusion)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: _id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    """One SSE chunk: a choice with a text delta, or (the last, with include_usage) no choices and usage."""
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: _id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler):  # OpenAI sends {"role": ...} first, then {"content": ...}, last {}
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str = Field(default_factory=lambda: _id("chatcmpl"))
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "dllm-serve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ------------------------------------------------------------------------------------------- errors
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+    return ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code)).model_dump()
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "tuple", "none"}
+
+
+def _param(loc: tuple, rename: dict[str, str] | None = None) -> str | None:
+    """('body', 'diffusion', 'threshold') -> 'diffusion.threshold'; ('messages', 0, 'content') ->
+    'messages[0].content'. Union-member tags (e.g. 'list[int]') are dropped."""
+    parts = list(loc[1:] if loc and loc[0] == "body" else loc)
+    if not parts or isinstance(parts[0], int):  # a model-level error, or a JSON decode position
+        return None
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif p.isidentifier() and p.islower() and p not in _TYPE_TAGS:
+            out += f".{p}" if out else p
+    if rename:
+        head, dot, rest = out.partition(".")
+        out = rename.get(head, head) + dot + rest
+    return out or None
+
+
+def _describe(errors: list[dict], rename: dict[str, str] | None = None) -> tuple[str, str | None]:
+    messages, params, seen = [], [], set()
+    for e in errors:
+        param = _param(tuple(e.get("loc", ())), rename)
+        if param in seen and param is not None:
+            continue  # several union members failing on one field: the first says enough
+        seen.add(param)
+        params.append(param)
+        msg = str(e.get("msg", "invalid value"))
+        for prefix in ("Value error, ", "Assertion failed, "):
+            msg = msg.removeprefix(prefix)
+        if e.get("type") == "extra_forbidden":
+            msg = "unknown field"
+        messages.append(f"{param}: {msg}" if param else msg)
+    return "; ".join(messages) or "invalid request", next((p for p in params if p), None)
+
+
+def validation_error_param(err: ValidationError | list[dict]) -> tuple[str, str | None]:
+    """A pydantic ValidationError (or FastAPI's `RequestValidationError.errors()`) -> (a readable message
+    naming every bad field, the first bad field's dotted name without the leading "body")."""
+    return _describe(err.errors() if isinstance(err, ValidationError) else list(err))

@@ -1,0 +1,239 @@
+"""The Serve app over real HTTP with the real `openai` client, on a tiny checkpoint on CPU."""
+import concurrent.futures as cf
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from deployments.app import build_app
+from tests.serve_harness import start_serve, stop_serve, wait_until
+
+KEY = "test-key"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_nemotron):
+    port = start_serve()
+    common = dict(model=str(tiny_nemotron), served_model_name=MODEL, max_model_len=512, max_steps_per_command=8)
+    serve.run(build_app({**common, "max_num_seqs": 4, "max_queue": 2, "api_key": KEY}), name="tp1",
+              route_prefix="/tp1")
+    serve.run(build_app({**common, "max_num_seqs": 4, "tensor_parallel_size": 2}), name="tp2", route_prefix="/tp2")
+    yield port
+    stop_serve()
+
+
+def client(server, app="tp1", **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/{app}/v1", api_key=KEY, max_retries=0,
+                         timeout=120, **kw)
+
+
+def stats(app: str) -> dict:
+    return serve.get_deployment_handle("Coordinator", app_name=app).stats.remote().result()
+
+
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+def test_completion_with_logprobs(server):
+    r = client(server).completions.create(model=MODEL, prompt="Hello world", max_tokens=40, logprobs=3, **GREEDY)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and r.usage.completion_tokens == 40
+    lp = choice.logprobs
+    assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.text_offset) == 40
+    assert all(x <= 0 for x in lp.token_logprobs)
+    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 3 <= len(top) <= 4 and max(top.values()) >= sampled - 1e-6
+    assert r.usage.model_extra["diffusion"]["canvases"] == 2  # 40 tokens: two 32-token canvases
+
+
+def test_streamed_completion_equals_unstreamed(server):
+    c = client(server)
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=70, logprobs=1, **GREEDY)
+    whole = c.completions.create(**kw)
+    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    lps = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
+    assert text == whole.choices[0].text
+    assert lps == pytest.approx(whole.choices[0].logprobs.token_logprobs, abs=1e-6)
+    assert chunks[-1].usage.completion_tokens == 70
+    assert len([ch for ch in chunks if ch.choices]) >= 3  # one chunk per committed block
+
+
+def test_chat_with_top_logprobs_streamed_and_not(server):
+    c = client(server)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_completion_tokens=20,
+              logprobs=True, top_logprobs=2, **GREEDY)
+    whole = c.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 20 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert text == whole.choices[0].message.content
+    streamed = [t.logprob for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert streamed == pytest.approx([t.logprob for t in content], abs=1e-6)
+
+
+def test_alone_equals_among_concurrent_neighbours(server):
+    c = client(server)
+    probe = dict(model=MODEL, prompt=[1, 300, 301, 302], max_tokens=45, logprobs=2, **GREEDY)
+    alone = c.completions.create(**probe).choices[0]
+    neighbours = [dict(model=MODEL, prompt=[1, 400 + i], max_tokens=10 + 13 * i, temperature=0.8, seed=i,
+                       logprobs=[None, 0, 5][i % 3]) for i in range(3)]
+    with cf.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(c.completions.create, **kw) for kw in neighbours]
+        mine = pool.submit(c.completions.create, **probe)
+        together = mine.result().choices[0]
+        for f in futures:
+            f.result()
+    assert together.text == alone.text
+    assert together.logprobs.token_logprobs == pytest.approx(alone.logprobs.token_logprobs, abs=1e-4)
+    assert together.logprobs.top_logprobs == alone.logprobs.top_logprobs or all(
+        a.keys() == b.keys() for a, b in zip(together.logprobs.top_logprobs, alone.logprobs.top_logprobs))
+
+
+def test_tp2_over_ray_actors_equals_tp1(server):
+    kw = dict(model=MODEL, prompt="Tensor parallel", max_tokens=50, logprobs=2, **GREEDY)
+    a = client(server, "tp1").completions.create(**kw).choices[0]
+    b = client(server, "tp2").completions.create(**kw).choices[0]
+    assert a.text == b.text and a.logprobs.tokens == b.logprobs.tokens
+    assert a.logprobs.token_logprobs == pytest.approx(b.logprobs.token_logprobs, abs=1e-4)
+    sampled = dict(kw, temperature=1.0, seed=11, extra_body={"ignore_eos": True, "top_k": 50})
+    a = client(server, "tp1").completions.create(**sampled).choices[0]
+    b = client(server, "tp2").completions.create(**sampled).choices[0]
+    assert a.logprobs.tokens == b.logprobs.tokens
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("temperature", -1, "temperature"), ("top_p", 0, "top_p"), ("top_k", -5, "top_k"), ("logprobs", 21, "logprobs"),
+    ("max_tokens", 0, "max_tokens"), ("n", 2, "n"), ("seed", -1, "seed"), ("bogus_field", 1, "bogus_field"),
+    ("diffusion", {"threshold": 0}, "diffusion.threshold"), ("diffusion", {"mode": "x"}, "diffusion.mode"),
+    ("diffusion", {"max_denoising_steps": 0}, "diffusion.max_denoising_steps"),
+    ("max_tokens", 100_000, "max_tokens"), ("prompt", [1, 5000], "prompt"),
+])
+def test_invalid_fields_are_400_naming_them(server, field, value, param):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, field: value}
+    r = httpx.post(f"http://127.0.0.1:{server}/tp1/v1/completions", json=body,
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_conflicts_unknown_model_auth_and_long_prompts(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError, match="linear_spec.*temperature"):
+        c.completions.create(model=MODEL, prompt="x", temperature=0.7, extra_body={"diffusion": {"mode": "linear_spec"}})
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+    assert err.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://127.0.0.1:{server}/tp1/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model=MODEL, prompt=[1] + [300] * 600, max_tokens=4)
+    assert err.value.body["param"] == "prompt"
+    assert [m.id for m in c.models.list()] == [MODEL]
+
+
+def test_health_and_metrics(server):
+    assert httpx.get(f"http://127.0.0.1:{server}/tp1/health", timeout=30).json() == {"status": "ok"}
+    text = httpx.get(f"http://127.0.0.1:{server}/tp1/metrics", timeout=30).text
+    for name in ("dllm_committed_tokens_total", "dllm_denoising_steps_total", "dllm_canvas_positions_total",
+                 "dllm_canvases_total", "dllm_free_slots"):
+        assert name in text
+    committed = [line for line in text.splitlines() if line.startswith("dllm_committed_tokens_total")]
+    assert float(committed[0].split()[-1]) > 0
+
+
+def _slow_stream_body(max_tokens=320):
+    return {"model": MODEL, "prompt": "slow", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0, "diffusion": {"policy": "low_confidence", "max_denoising_steps": 32}}
+
+
+def test_client_disconnect_frees_the_slot(server):
+    url = f"http://127.0.0.1:{server}/tp1/v1/completions"
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", url, json=_slow_stream_body(), headers=headers) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # one block arrived; now hang up
+        assert stats("tp1")["running"] >= 0
+    wait_until(lambda: stats("tp1")["free_slots"] == 4, 30, "the slot to be freed after the disconnect")
+    r = client(server).completions.create(model=MODEL, prompt="after", max_tokens=5, **GREEDY)
+    assert r.usage.completion_tokens == 5
+
+
+def test_overload_gives_429_never_500_or_a_hang(server):
+    url = f"http://127.0.0.1:{server}/tp1/v1/completions"
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = dict(_slow_stream_body(96), stream=False)
+
+    def send(_):
+        t = time.monotonic()
+        r = httpx.post(url, json=body, headers=headers, timeout=120)
+        return r.status_code, r.headers.get("retry-after"), time.monotonic() - t
+
+    with cf.ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(send, range(12)))
+    codes = [c for c, _, _ in results]
+    assert set(codes) <= {200, 429}, codes
+    assert codes.count(429) >= 1 and codes.count(200) >= 4
+    assert all(ra == "1" for c, ra, _ in results if c == 429)
+    assert all(t < 110 for _, _, t in results)
+    wait_until(lambda: stats("tp1")["free_slots"] == 4, 30, "slots to be free after the burst")
+
+
+def test_killed_shard_ends_request_with_error_then_recovers(server):
+    url = f"http://127.0.0.1:{server}/tp2/v1/completions"
+    from ray.util.state import list_actors
+
+    shards = [a for a in list_actors(filters=[("class_name", "=", "ShardWorker"), ("state", "=", "ALIVE")])]
+    before = stats("tp2")["shard_failures"]
+    t0 = time.monotonic()
+    events = []
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", url, json=_slow_stream_body(640)) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[len("data: "):]
+                events.append(payload)
+                if len(events) == 1:  # the request is running: kill one rank of the tp2 group
+                    victim = [a for a in shards if a.pid and _in_app(a, "tp2")][-1]
+                    os.kill(victim.pid, signal.SIGKILL)
+    assert time.monotonic() - t0 < 60
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "shard" in error["message"] and error["type"] == "service_unavailable"
+    wait_until(lambda: stats("tp2")["shard_failures"] == before + 1, 30, "the failure to be counted")
+    r = client(server, "tp2").completions.create(model=MODEL, prompt="recovered", max_tokens=33, **GREEDY)
+    assert r.usage.completion_tokens == 33
+    # a non-streamed request on a dying group gets a 503 with a reason
+    shards = [a for a in list_actors(filters=[("class_name", "=", "ShardWorker"), ("state", "=", "ALIVE")])
+              if _in_app(a, "tp2")]
+    with cf.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, url, json=dict(_slow_stream_body(320), stream=False), timeout=60)
+        time.sleep(1.0)
+        os.kill(shards[0].pid, signal.SIGKILL)
+        r = pending.result()
+    assert r.status_code == 503 and "shard" in r.json()["error"]["message"] and r.headers["retry-after"]
+    r = client(server, "tp2").completions.create(model=MODEL, prompt="again", max_tokens=5, **GREEDY)
+    assert r.usage.completion_tokens == 5
+
+
+def _in_app(actor, app: str) -> bool:
+    """Shard actors of an app's coordinator (their names carry the app)."""
+    return (actor.name or "").startswith(f"shard-{app}-")

@@ -1,0 +1,290 @@
+"""Multi-process tensor-parallel test harness for CPU (gloo), plus the helpers the TP, KV-cache and
+reduction tests share.
+
+    spawn_tp(fn, world_size, workdir, *args, timeout=...)
+
+starts `world_size` processes with torch.multiprocessing (spawn), joins them into one gloo process
+group through a `file://` rendezvous in `workdir`, and calls `fn(rank, world_size, *args)` in each.
+Every wait is bounded: a rank that hangs (a collective another rank never issues, a deadlock) makes
+`spawn_tp` kill the group and raise TimeoutError instead of hanging the test session; a rank that
+raises makes it raise RuntimeError carrying every failed rank's traceback. `fn` must be importable
+(defined at module level).
+
+`tp_worker` is the rank body of tests/test_tensor_parallel.py: it loads the tiny checkpoint as one
+TP rank, runs a mixed prefill / denoise / commit schedule, gathers full-vocabulary logits, runs the
+vocabulary-sharded reductions on its slice of shared random inputs, and saves everything to
+`out_dir/rank{r}.pt` for the parent to compare against TP=1 and dense references.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from model.attention import KVCache, StepContext, step_context
+from model.parallel import reductions as R
+from model.parallel.group import TPGroup, shard_range
+
+MASK = 100
+
+
+# --------------------------------------------------------------------------------------------------
+# Process-group plumbing
+
+def _entry(rank: int, world_size: int, init_file: str, error_dir: str, collective_timeout_s: float, fn,
+           args) -> None:
+    torch.set_num_threads(1)  # several ranks share 2 cores
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
+        try:
+            fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        # Written before this rank's sockets close, so before its peers fail because of it.
+        (Path(error_dir) / f"rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def spawn_tp(fn, world_size: int, workdir: str | Path, *args, timeout: float = 120.0,
+             collective_timeout_s: float = 60.0) -> None:
+    """Run fn(rank, world_size, *args) on world_size gloo ranks; raise on any failure or on timeout."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    tag = f"tp{world_size}-{time.monotonic_ns()}"
+    init_file = workdir / f"rendezvous-{tag}"  # must not exist yet
+    error_dir = workdir / f"errors-{tag}"
+    error_dir.mkdir()
+    ctx = mp.spawn(_entry, args=(world_size, str(init_file), str(error_dir), collective_timeout_s, fn, args),
+                   nprocs=world_size, join=False)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.05, deadline - time.monotonic()), grace_period=5):
+            if time.monotonic() >= deadline:
+                alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+                raise TimeoutError(f"tp={world_size}: ranks {alive} still running after {timeout:.0f} s")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+        # join reports whichever rank died first, often a peer that lost its connection: show every
+        # rank's traceback, the root cause included
+        reports = [f"-- rank {f.stem[4:]}:\n{f.read_text()}" for f in sorted(error_dir.glob("rank*.txt"))]
+        raise RuntimeError(f"tp={world_size}: {len(reports)} rank(s) failed\n" + "\n".join(reports)) from err
+    finally:
+        for p in ctx.processes:  # only the processes this call started
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def hang_worker(rank: int, world_size: int) -> None:
+    """Harness self-test: rank 0 waits in a collective that the other ranks never join."""
+    if rank == 0:
+        dist.barrier()
+    else:
+        time.sleep(600)
+
+
+def raise_worker(rank: int, world_size: int) -> None:
+    """Harness self-test: the last rank fails while the others wait for it in a collective."""
+    if rank == world_size - 1:
+        raise RuntimeError(f"deliberate failure on rank {rank}")
+    dist.barrier()
+
+
+# --------------------------------------------------------------------------------------------------
+# One batched forward of mixed rows (the approach of tests/test_nemotron_parity.py)
+
+def new_cache(model, slots: int = 4, max_len: int = 256, dtype: torch.dtype = torch.float32) -> KVCache:
+    layers, hkv, d = model.kv_shape
+    return KVCache(layers, slots, max_len, hkv, d, dtype, "cpu")
+
+
+def run_rows(model, kv: KVCache, rows, ids_rows) -> torch.Tensor:
+    """rows: (slot, start, causal); ids_rows: token lists. One batched forward; this rank's logits
+    [B, L, V_r] (L = longest row; shorter rows are padded)."""
+    width = max(len(t) for t in ids_rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, t in enumerate(ids_rows):
+        ids[b, : len(t)] = torch.as_tensor(t)
+    starts = [s for _, s, _ in rows]
+    positions = torch.tensor(starts)[:, None] + torch.arange(width)[None]
+    ctx = StepContext.build(kv, [s for s, _, _ in rows], starts, [len(t) for t in ids_rows],
+                            [c for _, _, c in rows], width, "cpu")
+    with step_context(ctx), torch.no_grad():
+        return model.compute_logits(model(ids, positions))
+
+
+# --------------------------------------------------------------------------------------------------
+# The mixed schedule run at TP = 1 (in the test process) and TP > 1 (in each rank)
+
+def mixed_schedule(vocab_size: int = 997, seed: int = 7):
+    """Forwards of (kind, slot, start, tokens) rows; every forward after the first mixes step kinds."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def toks(n, masks=()):
+        t = torch.randint(0, vocab_size, (n,), generator=gen)
+        for a, b in masks:
+            t[a:b] = MASK
+        return t.tolist()
+
+    p0, p1, p2 = toks(40), toks(70), toks(20)
+    c1_draft, c2_final = toks(32, [(3, 30)]), toks(32)
+    c0_draft = toks(32, [(1, 32)])
+    c1_final, c2b_draft = toks(32), toks(32, [(0, 12), (20, 32)])
+    return [
+        [("prefill", 1, 0, p1), ("prefill", 2, 0, p2)],
+        [("prefill", 0, 0, p0), ("denoise", 1, 70, c1_draft), ("commit", 2, 20, c2_final)],
+        [("denoise", 0, 40, c0_draft), ("commit", 1, 70, c1_final), ("denoise", 2, 52, c2b_draft)],
+    ]
+
+
+def run_mixed_schedule(model, tp: TPGroup) -> list[list[tuple[str, torch.Tensor]]]:
+    """Full-vocabulary logits (gathered) of every real token of every row: [[(kind, [n, V]), ...], ...]."""
+    kv = new_cache(model, slots=3, max_len=160)
+    out = []
+    for forward in mixed_schedule(model.config.vocab_size):
+        rows = [(slot, start, kind != "denoise") for kind, slot, start, _ in forward]
+        local = run_rows(model, kv, rows, [t for *_, t in forward])
+        full = R.gather_vocab(local, model.config.vocab_size, tp)
+        out.append([(kind, full[b, : len(t)].clone()) for b, (kind, _, _, t) in enumerate(forward)])
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs of the vocabulary-sharded reductions: ties across shards, ties at the top-k boundary, -inf
+
+def reduction_cases() -> dict[str, dict]:
+    """name -> {"x": full logits [..., V], "k": top-k size, "ids": list of [...] id tensors}.
+    The same on every rank (fixed seed, built on CPU)."""
+    gen = torch.Generator().manual_seed(1234)
+    V = 997
+    x = torch.randn(8, V, generator=gen) * 3
+    # row 0: the maximum at four ids spread over every rank's slice (tp 2, 3, 4); lowest is on rank 0
+    x[0, [950, 700, 5, 400]] = 50.0
+    # row 1: tied maxima whose lowest id is not on rank 0 (tp 2: rank 1; tp 3: rank 1; tp 4: rank 2)
+    x[1, [950, 700, 520]] = 40.0
+    # row 2: equal values straddling the top-5 boundary: 2 larger values, then 15.0 at six ids on
+    # different ranks of which only the three lowest (100, 300, 480) make the top 5
+    x[2, [10, 900]] = torch.tensor([20.0, 19.0])
+    x[2, [990, 300, 650, 100, 800, 480]] = 15.0
+    # row 3: a top-k/top-p filtered row: only 3 finite entries, so the top 5 reaches into -inf
+    x[3] = -torch.inf
+    x[3, [600, 20, 900]] = torch.tensor([1.0, 3.0, 2.0])
+    # row 4: about a third -inf, plus tied maxima on the last shards
+    x[4, torch.rand(V, generator=gen) < 0.33] = -torch.inf
+    x[4, [996, 680]] = 30.0
+    # row 5: a single surviving token, in the last rank's slice
+    x[5] = -torch.inf
+    x[5, 996] = -2.5
+    # row 6: only two equal survivors, on different ranks (tp 2, 3, 4)
+    x[6] = -torch.inf
+    x[6, [700, 300]] = 0.5
+    # row 7: random, with a tie between the second-best values
+    x[7, [17, 811]] = 25.0
+    x[7, 444] = 26.0
+    x = x.view(2, 4, V)  # leading batch dims, like [slots, canvas, V]
+    top5 = torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :5]
+    ids = [
+        torch.tensor([[5, 520, 480, 0], [996, 996, 300, 811]]),  # maxima, a -inf entry (row 3, id 0)
+        torch.tensor([[996, 0, 650, 5], [3, 500, 2, 17]]),       # arbitrary, incl. -inf (row 5, id 500)
+        top5[..., 4],                                            # the top-k boundary entries
+        torch.randint(0, V, (2, 4), generator=gen),
+    ]
+    cases = {"mixed": {"x": x, "k": 5, "ids": ids}}
+    # A vocabulary narrower than k * tp: shards narrower than k are padded by _local_topk. Row 1 has a
+    # single finite entry, so the top 5 must name four -inf entries (the lowest ids: 0, 1, 2, 3).
+    small = torch.randn(3, 7, generator=gen)
+    small[1] = -torch.inf
+    small[1, 6] = 1.0
+    small[2, [1, 5]] = -torch.inf
+    cases["narrow"] = {"x": small, "k": 5, "ids": [torch.tensor([6, 6, 1]), torch.tensor([0, 3, 5])]}
+    return cases
+
+
+def sharded_reductions(x_full: torch.Tensor, k: int, ids: list[torch.Tensor], tp: TPGroup) -> dict:
+    """Every reduction of model.parallel.reductions on this rank's slice of x_full."""
+    v0, v1 = shard_range(x_full.shape[-1], tp.rank, tp.world_size)
+    x = x_full[..., v0:v1].contiguous()
+    out = {
+        "global_max": R.global_max(x, tp),
+        "logsumexp": R.logsumexp(x, tp),
+        "entropy": R.entropy(x, tp),
+        "argmax": R.argmax(x, v0, tp),
+        "topk": R.topk(x, k, v0, tp),
+        "gather_vocab": R.gather_vocab(x, x_full.shape[-1], tp),
+    }
+    thresholds = []
+    for i, idx in enumerate(ids):
+        out[f"value_at{i}"] = R.value_at(x, idx, v0, tp)
+        thresholds.append(out[f"value_at{i}"])
+    thresholds += [torch.full(x.shape[:-1], -torch.inf), torch.full(x.shape[:-1], torch.inf),
+                   out["global_max"]]
+    for i, thr in enumerate(thresholds):
+        out[f"count_greater{i}"] = R.count_greater(x, thr, tp)
+    return out
+
+
+def dense_reductions(x: torch.Tensor, k: int, ids: list[torch.Tensor]) -> dict:
+    """The same statistics computed on the full tensor with plain torch ops."""
+    V = x.shape[-1]
+    m = x.amax(dim=-1)
+    p = torch.softmax(x.double(), dim=-1)
+    ent = -torch.where(p > 0, p * torch.log(p), 0).sum(dim=-1)
+    arange = torch.arange(V).expand_as(x)
+    srt = torch.sort(x, dim=-1, descending=True, stable=True)
+    out = {
+        "global_max": m,
+        "logsumexp": torch.logsumexp(x.double(), dim=-1).float(),
+        "entropy": ent.float(),
+        "argmax": torch.where(x == m.unsqueeze(-1), arange, V).amin(dim=-1),  # lowest id of the maxima
+        "topk": (srt.values[..., :k], srt.indices[..., :k]),
+        "gather_vocab": x,
+    }
+    thresholds = []
+    for i, idx in enumerate(ids):
+        out[f"value_at{i}"] = torch.gather(x, -1, idx.unsqueeze(-1)).squeeze(-1)
+        thresholds.append(out[f"value_at{i}"])
+    thresholds += [torch.full(x.shape[:-1], -torch.inf), torch.full(x.shape[:-1], torch.inf), m]
+    for i, thr in enumerate(thresholds):
+        out[f"count_greater{i}"] = (x > thr.unsqueeze(-1)).sum(dim=-1)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The rank body
+
+SHARDED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "diffusion_head")
+
+
+def tp_worker(rank: int, world_size: int, model_dir: str | None, out_dir: str) -> None:
+    tp = TPGroup.from_default_group()
+    assert (tp.rank, tp.world_size) == (rank, world_size)
+    result: dict = {"rank": rank, "world_size": world_size}
+    if model_dir is not None:
+        from model.loader import load_model
+
+        model = load_model(model_dir, tp, show_progress=False)
+        result["vocab_range"] = (model.vocab_start, model.diffusion_head.vocab_end)
+        result["params"] = {name: (tuple(p.shape), p.dtype, p.numel() * p.element_size())
+                            for name, p in model.named_parameters()}
+        result["norms"] = {name: p.detach().clone() for name, p in model.named_parameters()
+                           if "norm" in name}
+        result["schedule"] = run_mixed_schedule(model, tp)
+    result["reductions"] = {name: sharded_reductions(c["x"], c["k"], c["ids"], tp)
+                            for name, c in reduction_cases().items()}
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+
+
+def run_tp_worker(world_size: int, workdir: Path, model_dir: Path | None, timeout: float = 150.0) -> list[dict]:
+    """Spawn tp_worker on world_size ranks; every rank's saved results, in rank order."""
+    out_dir = Path(workdir) / f"out-tp{world_size}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spawn_tp(tp_worker, world_size, workdir, None if model_dir is None else str(model_dir), str(out_dir),
+             timeout=timeout)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
