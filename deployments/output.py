@@ -48,6 +48,7 @@ class OutputAssembler:
     def __init__(self, tokenizer, stop: Sequence[str] = (), prompt_text_len: int = 0):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self._special = frozenset(tokenizer.all_special_ids)
         self.prompt_text_len = prompt_text_len
         self.token_ids: list[int] = []   # every output token kept so far
         self.text = ""                   # their text, complete characters only
@@ -67,7 +68,10 @@ class OutputAssembler:
         offset = len(self.text)
         self.token_ids.append(token_id)
         full = self._decode(self.token_ids[self._prefix:])
-        if len(full) > len(self._prefix_text) and not full.endswith(_REPLACEMENT):
+        # A character is at most 4 bytes: a window still incomplete after 4 tokens holds invalid UTF-8,
+        # which no later token can complete; let it out (as U+FFFD) rather than hold the stream.
+        stuck = len(self.token_ids) - self._read >= 4
+        if len(full) > len(self._prefix_text) and (stuck or not full.endswith(_REPLACEMENT)):
             self.text += full[len(self._prefix_text):]
             self._prefix, self._read = self._read, len(self.token_ids)
             self._prefix_text = self._decode(self.token_ids[self._prefix:self._read])
@@ -113,7 +117,7 @@ class OutputAssembler:
     def _release(self, end: int, stopped: bool = False, finish_reason: str | None = None) -> Delta:
         """Text up to `end`, with the tokens that start in it (all of them once done)."""
         text, self.sent = self.text[self.sent:end], end
-        n = len(self._pending) if self.done else sum(p[1] < end for p in self._pending)
+        n = len(self._pending) if self.done else self._releasable(end)
         out, self._pending = self._pending[:n], self._pending[n:]
         return Delta(text=text, token_ids=[p[0] for p in out],
                      logprobs=[p[2] for p in out] if self.scored else None,
@@ -121,6 +125,16 @@ class OutputAssembler:
                      top=[p[4] for p in out] if self.scored else None,
                      text_offsets=[self.prompt_text_len + p[1] for p in out],
                      stopped=stopped, finish_reason=finish_reason)
+
+    def _releasable(self, end: int) -> int:
+        """Leading pending tokens that start before `end`, and special tokens (no text) at `end`: so a
+        block of special tokens still makes its own stream chunk."""
+        n = 0
+        for token_id, offset, *_ in self._pending:
+            if not (offset < end or (offset == end and token_id in self._special)):
+                break
+            n += 1
+        return n
 
     def finish(self) -> Delta:
         """Ends the output early (e.g. the stream broke off): whatever text and tokens were held back."""

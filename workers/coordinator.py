@@ -51,6 +51,7 @@ class Coordinator:
         self._ids = itertools.count()
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
+        self._lock: asyncio.Lock | None = None
         self._started = False
         self._healthy = True
         self.failures = 0
@@ -62,13 +63,18 @@ class Coordinator:
                          self.config.canvas_length, self.max_steps_per_command, self.seed)
 
     async def start(self) -> None:
-        if not self._started:
-            try:
-                await self.shards.start()
-            except ShardFailure as err:
-                self._healthy = False
-                raise RequestError("shard_failure", f"the model shards could not start: {err}") from None
-            self._started, self._healthy = True, True
+        """Starts the shards (once; a request arriving during a start or a rebuild waits for it) and
+        the step loop."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if not self._started:
+                try:
+                    await self.shards.start()
+                except ShardFailure as err:
+                    self._healthy = False
+                    raise RequestError("shard_failure", f"the model shards could not start: {err}") from None
+                self._started, self._healthy = True, True
         if self._loop_task is None or self._loop_task.done():
             self._wake = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
@@ -139,15 +145,15 @@ class Coordinator:
             queue.put_nowait(failure)
         self._retired.add(self.scheduler.counters)
         self.scheduler = self._new_scheduler()
-        self.shards.stop()
-        self._started = False
-        try:
-            await self.shards.start()
-            self._started = True
-            self._healthy = True
-        except ShardFailure as again:
-            log.error("could not rebuild the shard group: %s", again)
-            self._healthy = False
+        async with self._lock:
+            self.shards.stop()
+            self._started = False
+            try:
+                await self.shards.start()
+                self._started, self._healthy = True, True
+            except ShardFailure as again:
+                log.error("could not rebuild the shard group: %s", again)
+                self._healthy = False
 
     # ---- operations -----------------------------------------------------------------------------
     async def check_health(self) -> None:
@@ -164,4 +170,5 @@ class Coordinator:
         wall = time.monotonic() - self.started_at
         return {"running": s.num_running, "waiting": s.num_waiting, "free_slots": s.free_slots,
                 "num_slots": self.num_slots, "shard_failures": self.failures,
+                "shard_pids": list(getattr(self.shards, "pids", [])),
                 "counters": vars(counters).copy(), "derived": derived_metrics(counters, wall)}

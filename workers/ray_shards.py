@@ -26,6 +26,7 @@ class RayShards:
         self.start_timeout_s, self.command_timeout_s = start_timeout_s, command_timeout_s
         self.collective_timeout_s = collective_timeout_s
         self.workers: list = []
+        self.pids: list[int] = []   # of the live ranks, for operators (and the failure tests)
 
     def _options(self, rank: int) -> dict:
         opts = {"num_gpus": 1, "num_cpus": 0} if self.use_gpu else {"num_cpus": 1}
@@ -45,6 +46,7 @@ class RayShards:
             address = await self._bounded(self.workers[0].rendezvous_address.remote(), self.start_timeout_s)
             await self._bounded(asyncio.gather(*[w.start.remote(address, self.collective_timeout_s)
                                                  for w in self.workers]), self.start_timeout_s)
+            self.pids = await self._bounded(asyncio.gather(*[w.pid.remote() for w in self.workers]), 30)
         except ShardFailure:
             self.stop()
             raise
@@ -63,9 +65,10 @@ class RayShards:
         except asyncio.TimeoutError:
             raise ShardFailure(f"a shard did not answer within {timeout_s:.0f} s") from None
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
-            raise ShardFailure(f"a shard failed: {type(err).__name__}: {str(err).splitlines()[0]}") from None
+            lines = [line for line in str(err).splitlines() if line.strip()]
+            raise ShardFailure(f"a shard failed: {type(err).__name__}: {lines[-1] if lines else ''}") from None
 
     def stop(self) -> None:
         for w in self.workers:
             ray.kill(w, no_restart=True)
-        self.workers = []
+        self.workers, self.pids = [], []

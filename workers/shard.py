@@ -58,3 +58,6 @@ class ShardWorker:
 
     def ping(self) -> int:
         return self.rank
+
+    def pid(self) -> int:
+        return os.getpid()
