@@ -22,3 +22,15 @@ test-gpu:
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Serve the embedded tiny model (or MODEL=/path/to/checkpoint TP=n; ARGS="max_num_seqs=4 ...") on
+# 127.0.0.1:$(PORT) with a local Ray; prints curl examples; Ctrl-C stops it.
+PORT ?= 8000
+.PHONY: serve bench
+serve: $(STAMP)
+	MODEL="$(MODEL)" TP="$(TP)" PORT="$(PORT)" $(PY) scripts/serve_local.py $(ARGS)
+
+# On the GPU host, like test-gpu (placeholder: runs the step-rate benchmark while benchmarks/ takes shape).
+bench:
+	@if [ -f benchmarks/step_rate.py ]; then python3 benchmarks/step_rate.py $(ARGS); \
+	else echo "no benchmarks yet"; fi

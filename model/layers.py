@@ -53,7 +53,8 @@ class RotaryEmbedding(nn.Module):
             scaling = 1.0
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # on the device the model is being built on (torch.device context), not where rope was computed
+        self.register_buffer("inv_freq", inv_freq.float().to(torch.empty(0).device), persistent=False)
         self.attention_scaling = float(scaling)
         self.dtype = dtype
         self.beta = params.get("llama_4_scaling_beta") or 0.0

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.attention import KVCache, StepContext, step_context
+from model.attention import KVCache, step_context
+from model.graphs import CanvasGraphs, device_context, keys_for
 from model.parallel import reductions as R
 from model.protocol import Block, Command, Events, NewSlot, StepCounters
 from model.sampling.filters import mask_token, scale_and_filter
@@ -48,7 +49,8 @@ class SlotState:
 
 
 class Runner:
-    def __init__(self, model, num_slots: int, max_model_len: int, device: torch.device | str = "cpu"):
+    def __init__(self, model, num_slots: int, max_model_len: int, device: torch.device | str = "cpu",
+                 cuda_graphs: bool | None = None):
         cfg = model.config
         self.model, self.tp, self.device = model, model.tp, torch.device(device)
         self.C, self.mask_id = cfg.canvas_length, cfg.mask_token_id
@@ -75,6 +77,9 @@ class Runner:
         self.seed = torch.zeros(S, dtype=torch.int64, device=dev)
         self.steps_limit = torch.ones(S, dtype=torch.int64, device=dev)
         self.slots: dict[int, SlotState] = {}
+        on_cuda = self.device.type == "cuda"
+        self.graphs = CanvasGraphs(model, self.kv, self.C) if (on_cuda if cuda_graphs is None else cuda_graphs) \
+            else None
 
     # ---- commands -------------------------------------------------------------------------------
     def execute(self, cmd: Command) -> Events:
@@ -131,10 +136,22 @@ class Runner:
     def _forward(self, slots: list[int], tokens: torch.Tensor, starts: list[int], lengths: list[int],
                  causal: list[bool]) -> torch.Tensor:
         width = tokens.shape[1]
-        ctx = StepContext.build(self.kv, slots, starts, lengths, causal, width, self.device)
-        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device)
+        for s, n in zip(starts, lengths):
+            assert 0 < n <= width and s + n <= self.kv.max_len, (s, n, width)
+        meta = self._host([slots, starts, lengths, [int(c) for c in causal]])
+        if self.graphs is not None and width == self.C:
+            return self.graphs.forward(meta, tokens, starts)
+        ctx, positions = device_context(self.kv, meta.to(self.device, non_blocking=True), width,
+                                        keys_for(starts, width, self.kv.max_len))
         with step_context(ctx), torch.inference_mode():
             return self.model(tokens, positions)
+
+    def _host(self, values, dtype=torch.int64) -> torch.Tensor:
+        """A host tensor that copies to the device without a sync (pinned when the device is a GPU)."""
+        return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+
+    def _dev(self, values, dtype=torch.int64) -> torch.Tensor:
+        return self._host(values, dtype).to(self.device, non_blocking=True)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         x = self.model.compute_logits(hidden).float()
@@ -142,7 +159,7 @@ class Runner:
         return x
 
     def _rows(self, slots: list[int]) -> torch.Tensor:
-        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+        return self._dev(slots)
 
     def _filtered(self, slots: list[int], idx: torch.Tensor, logits: torch.Tensor):
         """(unscaled, scaled) with each row's temperature and filters; filters only if a row asks."""
@@ -157,7 +174,7 @@ class Runner:
         """argmax(scaled + Gumbel) for sampling rows, argmax(scaled) for greedy ones: [R, P] global ids."""
         states = [self.slots[s] for s in slots]
         if any(st.temperature > 0 for st in states):
-            counter = torch.tensor([st.draws for st in states], dtype=torch.int64, device=self.device)
+            counter = self._dev([st.draws for st in states])
             g = gumbel(self.seed[idx], counter, scaled.shape[1], self.model.vocab_start, scaled.shape[-1])
             sampling = (self.temperature[idx] > 0).view(-1, 1, 1)
             # filtered (-inf) entries stay -inf whatever the noise: never a NaN that argmax could pick
@@ -172,7 +189,7 @@ class Runner:
         if not rows:
             return None
         k = max(self.slots[slots[i]].params.logprobs for i in rows)
-        pick = torch.tensor(rows, device=self.device)
+        pick = self._dev(rows)
         return rows, token_scores(scaled[pick], tokens[pick], k, self.model.vocab_start, self.tp)
 
     # ---- causal next-token prediction: prefill, commit, AR -------------------------------------
@@ -188,10 +205,12 @@ class Runner:
         width = max(len(p) for p in prompts)
         tokens = torch.zeros(len(slots), width, dtype=torch.int64)
         for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p)
+            tokens[i, : len(p)] = torch.tensor(p)  # host-side staging, one copy below
         lengths = [len(p) for p in prompts]
-        hidden = self._forward(slots, tokens.to(self.device), [0] * len(slots), lengths, [True] * len(slots))
-        last = hidden[torch.arange(len(slots), device=self.device), torch.tensor(lengths, device=self.device) - 1]
+        tokens = tokens.pin_memory() if self.device.type == "cuda" else tokens
+        hidden = self._forward(slots, tokens.to(self.device, non_blocking=True), [0] * len(slots), lengths,
+                               [True] * len(slots))
+        last = hidden[torch.arange(len(slots), device=self.device), self._dev(lengths) - 1]
         counters.forwards += len(slots)
         for s, n in zip(slots, lengths):
             self.slots[s].length = n
@@ -205,7 +224,7 @@ class Runner:
         for i, s in enumerate(slots):
             by_mode.setdefault(self.slots[s].params.mode, []).append(i)
         for mode, rows in by_mode.items():
-            pick = torch.tensor(rows, device=self.device)
+            pick = self._dev(rows)
             sub = idx[pick]
             sub_slots = [slots[i] for i in rows]
             if mode == "diffusion":
@@ -232,8 +251,7 @@ class Runner:
             if r not in scored_rows:
                 continue
             j = scored_rows.index(r)
-            sl = torch.tensor([s], device=self.device)
-            at = torch.tensor([index], device=self.device)
+            sl, at = self._dev([s]), self._dev([index])
             buf.write_at(sl, at, lp[j, :1], rank[j, :1], None if tv is None else tv[j, :1],
                          None if ti is None else ti[j, :1])
 
@@ -242,7 +260,7 @@ class Runner:
         canvas = torch.full((len(slots), self.C), self.mask_id, dtype=torch.int64, device=self.device)
         seeded = [self.slots[s].params.seed_first_position for s in slots]
         if any(seeded):
-            first = torch.where(torch.tensor(seeded, device=self.device), seed_tokens, self.mask_id)
+            first = torch.where(self._dev(seeded, torch.bool), seed_tokens, self.mask_id)
             canvas[:, 0] = first
             self._store_scores(self.canvas_scores, [s for s, f in zip(slots, seeded) if f],
                                [r for r, f in zip(rows, seeded) if f], scores, index=0)
@@ -265,7 +283,7 @@ class Runner:
             by_phase.setdefault(st.phase, []).append(i)
         handlers = {DENOISE: self._denoise, COMMIT: self._commit, DRAFT: self._draft, VERIFY: self._verify}
         for phase, rows in by_phase.items():
-            pick = torch.tensor(rows, device=self.device)
+            pick = self._dev(rows)
             handlers[phase]([slots[i] for i in rows], hidden[pick], reads, counters)
 
     def _denoise(self, slots: list[int], hidden: torch.Tensor, reads, counters: StepCounters) -> None:
@@ -281,7 +299,7 @@ class Runner:
         masked = canvas == self.mask_id
         present = sorted({st.params.policy for st in states})
         entropy = R.entropy(unscaled, self.tp) if "entropy_bound" in present else None
-        n = torch.tensor([st.n for st in states], device=self.device)
+        n = self._dev([st.n for st in states])
         revealed = reveal(self.policy[idx], present, masked, n, self.steps_limit[idx],
                           confidence=torch.where(masked, confidence, -torch.inf), entropy=entropy,
                           tau=self.tau[idx], gamma=self.gamma[idx])
@@ -290,7 +308,7 @@ class Runner:
         scores = self._scores(slots, scaled, x0)
         if scores is not None:
             rows, (lp, rank, tv, ti) = scores
-            pick = torch.tensor(rows, device=self.device)
+            pick = self._dev(rows)
             self.canvas_scores.write(idx[pick], revealed[pick], lp, rank, tv, ti)
         counters.denoising_steps += len(slots)
         counters.canvas_positions += len(slots) * self.C
@@ -300,9 +318,9 @@ class Runner:
         converged = ~still_masked.any(-1) | (n + 1 >= self.steps_limit[idx])
         early = [st.params.eos_early_stop and not st.params.ignore_eos for st in states]
         if any(early):
-            eos = torch.isin(canvas, torch.tensor(self.eos_ids, device=self.device))
+            eos = torch.isin(canvas, self._dev(list(self.eos_ids)))
             clean_eos = (eos & (torch.cumsum(still_masked.long(), -1) == 0)).any(-1)
-            converged |= clean_eos & torch.tensor(early, device=self.device)
+            converged |= clean_eos & self._dev(early, torch.bool)
 
         def apply(flags, _blocks):
             for st, done in zip(states, flags):
@@ -352,14 +370,13 @@ class Runner:
         pred = R.argmax(scaled, self.model.vocab_start, self.tp)           # [R, C]
         draft = self.canvas[idx]
         agree = torch.cumprod((draft[:, 1:] == pred[:, :-1]).long(), -1).sum(-1)
-        budget = torch.tensor([min(self.C, st.params.max_tokens - st.emitted) for st in states],
-                              device=self.device)
+        budget = self._dev([min(self.C, st.params.max_tokens - st.emitted) for st in states])
         accepted = torch.minimum(1 + agree, budget)
         self.block_tokens[idx] = draft
         scores = self._scores(slots, scaled, pred)
         if scores is not None:
             rows, (lp, rank, tv, ti) = scores
-            pick = torch.tensor(rows, device=self.device)
+            pick = self._dev(rows)
             sl = idx[pick]
             # block position 0 is the seed, scored when it was predicted; j >= 1 come from pred[j - 1]
             shift = lambda t: None if t is None else torch.cat([t[:, :1], t[:, :-1]], 1)  # noqa: E731

@@ -1,0 +1,94 @@
+"""`make serve`: a local Ray with Serve on 127.0.0.1, serving the embedded tiny model or a checkpoint.
+
+    python scripts/serve_local.py [model=DIR] [tp=N] [port=P] [FIELD=VALUE ...]
+
+FIELD is any argument of deployments/args.py:AppArgs (`tp` is short for tensor_parallel_size). The
+environment variables MODEL, TP and PORT give the same settings; arguments win. Loads the weights
+before printing the ready message and curl examples, then serves until Ctrl-C (or SIGTERM), when it
+shuts Serve and Ray down.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for deployments/
+
+APP = "dllm"
+ALIASES = {"tp": "tensor_parallel_size"}
+
+
+def parse(argv: list[str], env: dict[str, str]) -> tuple[dict, int]:
+    """(build_app's args, the HTTP port) from `key=value` arguments over the MODEL/TP/PORT environment."""
+    settings = {"model": env.get("MODEL"), "tp": env.get("TP"), "port": env.get("PORT")}
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if not eq or not key or not value:
+            sys.exit(f"serve_local: expected key=value, got {arg!r}\n\n{__doc__}")
+        settings[key.lower()] = value
+    port = int(settings.pop("port") or 8000)
+    args = {ALIASES.get(k, k): v for k, v in settings.items() if v}  # unset or empty: AppArgs' default
+    return args, port
+
+
+def curl_examples(base: str, model: str, api_key: str | None) -> str:
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    completion = {"model": model, "prompt": "Hello", "max_tokens": 32, "logprobs": 2}
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_completion_tokens": 32,
+            "logprobs": True, "top_logprobs": 2, "diffusion": {"policy": "threshold", "threshold": 0.9}}
+    return "\n".join(f"  curl {base}/v1/{path} -H 'Content-Type: application/json'{auth} \\\n"
+                     f"    -d '{json.dumps(body)}'"
+                     for path, body in (("completions", completion), ("chat/completions", chat)))
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str]) -> None:
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return
+    args, port = parse(argv, dict(os.environ))
+
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.args import AppArgs
+
+    app = build_app(args)  # validates the arguments (a pydantic error names a bad one) before Ray starts
+    resolved = AppArgs(**args)
+    ray.init()
+    # After ray.init, which installs its own handlers: Ctrl-C and SIGTERM both mean a clean shutdown,
+    # even where SIGINT was inherited as ignored (a background job of a non-interactive shell).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app, name=APP, route_prefix="/")
+        serve.get_deployment_handle("Coordinator", app_name=APP).ready.remote().result()  # load the weights now
+        base = f"http://127.0.0.1:{port}"
+        print(f"\ndllm-serve is ready on {base}: model `{resolved.model_name()}` ({resolved.model_dir()}), "
+              f"tensor_parallel_size={resolved.tensor_parallel_size}\n\n"
+              f"{curl_examples(base, resolved.model_name(), resolved.api_key)}\n\n"
+              f"  curl {base}/v1/models\n\nCtrl-C to stop.", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("\nstopping dllm-serve ...", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            serve.shutdown()  # bounded by Serve (30 s)
+        except KeyboardInterrupt:  # a second Ctrl-C skips the graceful part
+            pass
+        ray.shutdown()  # stops the local Ray this script started
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,127 @@
+"""cluster.yaml and serve_config.yaml against Ray's own validators, and the app they name, built without Ray."""
+import copy
+from pathlib import Path
+
+import jsonschema
+import pydantic
+import pytest
+import ray
+import yaml
+from ray._common.utils import import_attr
+from ray.autoscaler._private.util import prepare_config, validate_config
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+from ray.serve._private.build_app import build_app as serve_build_app
+from ray.serve.deployment import Application, deployment_to_schema
+from ray.serve.schema import ServeDeploySchema
+
+from deployments.app import build_app
+from deployments.args import AppArgs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((ROOT / name).read_text())
+
+
+# ------------------------------------------------------------------------------------ cluster.yaml
+
+
+def test_cluster_yaml_passes_ray_up_validation():
+    config = prepare_config(load("cluster.yaml"))  # what `ray up` does before validating
+    validate_config(config)
+    nodes = config["available_node_types"]
+    head = nodes[config["head_node_type"]]
+    assert head["resources"].get("GPU") == 0
+    workers = [n for name, n in nodes.items() if name != config["head_node_type"]]
+    assert workers and all(n["resources"]["GPU"] >= 1 for n in workers)
+    assert any("ray start --head" in c for c in config["head_start_ray_commands"])
+    assert any("ray start --address" in c for c in config["worker_start_ray_commands"])
+    for setup in ("head_setup_commands", "worker_setup_commands"):
+        assert any("pip install" in c and "dllm-serve" in c for c in config[setup]), setup
+
+
+def test_ray_validator_rejects_a_misspelt_cluster_key():
+    """The validator above is strict, so a typo in cluster.yaml is caught here and not by `ray up`."""
+    config = prepare_config(load("cluster.yaml"))
+    config["worker_start_commands"] = copy.deepcopy(config["worker_start_ray_commands"])
+    with pytest.raises(jsonschema.ValidationError, match="worker_start_commands"):
+        validate_config(config)
+
+
+# ------------------------------------------------------------------------------- serve_config.yaml
+
+
+@pytest.fixture(scope="module")
+def serve_config() -> ServeDeploySchema:
+    return ServeDeploySchema.model_validate(load("serve_config.yaml"))
+
+
+def test_serve_config_passes_serve_schema(serve_config):
+    assert serve_config.http_options.host == "0.0.0.0" and serve_config.http_options.port == 8000
+    (app,) = serve_config.applications
+    assert app.import_path == "deployments.app:build_app" and app.route_prefix == "/"
+
+
+def test_serve_config_args_are_app_args(serve_config):
+    args = serve_config.applications[0].args
+    assert set(args) <= set(AppArgs.model_fields)
+    parsed = AppArgs(**args)
+    assert parsed.model is None  # the embedded tiny model unless the operator names a checkpoint
+    for field in ("tensor_parallel_size", "dtype", "device", "max_num_seqs", "max_model_len", "max_queue",
+                  "num_replicas", "mode", "policy", "threshold", "entropy_bound", "max_denoising_steps"):
+        assert field in args, field
+
+
+def test_serve_config_builds_the_application_without_ray(serve_config, tmp_path):
+    """The same path `serve run serve_config.yaml` takes: import the builder, call it with the args."""
+    from model.tiny import write_nemotron_ld
+
+    app_config = serve_config.applications[0]
+    args = {**app_config.args, "model": str(write_nemotron_ld(tmp_path / "tiny-nemotron-ld"))}
+    app = call_user_app_builder_with_args_if_necessary(import_attr(app_config.import_path), args)
+    assert isinstance(app, Application)
+    built = serve_build_app(app, name=app_config.name)  # what Serve deploys: the finalized deployments
+    deployments = {d.name: deployment_to_schema(d) for d in built.deployments}
+    assert built.ingress_deployment_name == "OpenAIIngress" and set(deployments) == {"OpenAIIngress", "Coordinator"}
+    coordinator, tp = deployments["Coordinator"], app_config.args["tensor_parallel_size"]
+    assert coordinator.num_replicas == app_config.args["num_replicas"]
+    assert len(coordinator.placement_group_bundles) == 1 + tp  # the replica's CPU bundle + one per shard
+    assert not ray.is_initialized()
+
+
+def test_command_line_strings_are_coerced(tmp_path):
+    """`serve run deployments.app:build_app model=DIR tensor_parallel_size=2` passes every value as a string."""
+    from model.tiny import write_nemotron_ld
+
+    model = write_nemotron_ld(tmp_path / "ckpt")
+    app = build_app({"model": str(model), "tensor_parallel_size": "2", "max_denoising_steps": "8",
+                     "threshold": "0.5"})
+    assert isinstance(app, Application)
+    assert AppArgs(tensor_parallel_size="2", threshold="0.5").tensor_parallel_size == 2
+
+
+def test_unknown_app_argument_is_a_pydantic_error_naming_it(tmp_path):
+    with pytest.raises(pydantic.ValidationError) as info:
+        build_app({"model": str(tmp_path), "tensor_paralel_size": 2})
+    assert "tensor_paralel_size" in str(info.value)
+    assert [e["type"] for e in info.value.errors()] == ["extra_forbidden"]
+
+
+def test_bad_app_argument_value_names_the_field(tmp_path):
+    with pytest.raises(pydantic.ValidationError, match="tensor_parallel_size"):
+        build_app({"model": str(tmp_path), "tensor_parallel_size": 0})
+
+
+def test_make_serve_arguments(monkeypatch):
+    """`make serve MODEL=dir TP=n PORT=p ARGS="field=value"` -> scripts/serve_local.py's build_app args and port."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_local", ROOT / "scripts" / "serve_local.py")
+    serve_local = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_local)
+    assert serve_local.parse([], {"MODEL": "", "TP": "", "PORT": ""}) == ({}, 8000)  # `make serve`: the tiny model
+    args, port = serve_local.parse(["tp=2", "max_num_seqs=4"], {"MODEL": "/ckpt", "TP": "1", "PORT": "8011"})
+    assert (args, port) == ({"model": "/ckpt", "tensor_parallel_size": "2", "max_num_seqs": "4"}, 8011)
+    assert AppArgs(**args).tensor_parallel_size == 2
+    assert set(serve_local.ALIASES.values()) <= set(AppArgs.model_fields)
