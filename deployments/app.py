@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import RayError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -162,6 +163,9 @@ class OpenAIIngress:
             item = await stream.__anext__()
         except StopAsyncIteration:
             return None
+        except (RayError, RuntimeError) as err:  # the coordinator replica itself died or was replaced
+            raise APIError(503, f"the model replica failed: {type(err).__name__}", "service_unavailable",
+                           headers={"Retry-After": "1"}) from None
         if "error" in item:
             status, type_ = ERROR_STATUS.get(item["error"], (500, "internal_error"))
             param = "max_tokens" if item["error"] == "invalid" and "max_tokens" in item["message"] else None

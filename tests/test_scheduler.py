@@ -297,3 +297,23 @@ def test_empty_block_without_scores_is_accepted():
     run(s)
     _, (out,) = run(s, Block(0, []))
     assert out.new_tokens == [] and out.new_logprobs == [] and not out.finished and req.first_token_time is None
+
+
+def test_request_latencies_follow_its_blocks():
+    """SPEC.md 8 per-request metrics: TTFT, one inter-block latency per block after the first, e2e."""
+    import time as _time
+
+    from model.protocol import Block, Events
+    from model.sampling.params import DecodeParams
+    from workers.scheduler import Scheduler
+
+    s = Scheduler(num_slots=1, max_queue=1, eos_token_ids=(2,), max_model_len=512, canvas_length=4)
+    request = s.add("r", [1, 5], DecodeParams(max_tokens=12, ignore_eos=True))
+    assert request.latencies == {"ttft_s": None, "inter_block_s": [], "e2e_s": None}
+    for _ in range(3):
+        s.schedule()
+        _time.sleep(0.01)
+        s.apply(Events(blocks=[Block(slot=0, tokens=[7, 7, 7, 7], denoising_steps=2)]))
+    lat = request.latencies
+    assert request.finished and len(lat["inter_block_s"]) == 2 and all(x >= 0.009 for x in lat["inter_block_s"])
+    assert 0.009 <= lat["ttft_s"] <= lat["e2e_s"]

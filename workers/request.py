@@ -39,9 +39,19 @@ class Request:
     slot: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    block_times: list[float] = field(default_factory=list)   # when each block with tokens arrived
     finish_time: float | None = None
     denoising_steps: int = 0
     canvases: int = 0
+
+    @property
+    def latencies(self) -> dict[str, float | list[float] | None]:
+        """SPEC.md section 8, per request: time to first token, inter-token latency per streamed block
+        (the gap before each block after the first), end-to-end latency; seconds."""
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        e2e = None if self.finish_time is None else self.finish_time - self.arrival_time
+        itl = [b - a for a, b in zip(self.block_times, self.block_times[1:])]
+        return {"ttft_s": ttft, "inter_block_s": itl, "e2e_s": e2e}
 
     @property
     def finished(self) -> bool:
@@ -71,8 +81,9 @@ class Request:
         self.output += tokens
         self.denoising_steps += block.denoising_steps
         self.canvases += block.denoising_steps > 0
-        if n and self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+        if n:
+            self.block_times.append(time.monotonic())
+            self.first_token_time = self.first_token_time or self.block_times[0]
         scores = ([], [], [], [])
         k = self.params.logprobs
         if k is not None and block.tokens:  # the runner sends no scores with an empty block
