@@ -431,18 +431,25 @@ class Runner:
 
     # ---- results --------------------------------------------------------------------------------
     def _copy_out(self, emitted) -> list[Block]:
-        """The one copy of a command's tokens and scores to the host."""
+        """The one copy of a command's tokens and scores to the host (one transfer per buffer)."""
+        verified = [(s, tokens[1]) for s, tokens, _ in emitted if isinstance(tokens, tuple)]
+        scored = [s for s, _, _ in emitted if s in self.slots and self.slots[s].wants_scores]
+        rows = sorted({s for s, _ in verified} | set(scored))
+        host = {}
+        if rows:
+            idx = self._dev(rows)
+            b = self.block_scores
+            tensors = [self.block_tokens[idx], b.logprob[idx], b.rank[idx], b.top_values[idx], b.top_ids[idx]]
+            host = dict(zip(rows, zip(*[t.cpu() for t in tensors])))
         out = []
         for s, tokens, steps in emitted:
             if isinstance(tokens, tuple):  # a verify: the accepted prefix of the draft
-                tokens = self.block_tokens[s, : tokens[1]].tolist()
+                tokens = host[s][0][: tokens[1]].tolist()
             block = Block(slot=s, tokens=tokens, denoising_steps=steps)
-            st = self.slots.get(s)
-            if st is not None and st.wants_scores and tokens:
-                n, k = len(tokens), st.params.logprobs
-                block.logprobs = self.block_scores.logprob[s, :n].tolist()
-                block.ranks = self.block_scores.rank[s, :n].tolist()
-                block.top_ids = self.block_scores.top_ids[s, :n, :k].tolist()
-                block.top_logprobs = self.block_scores.top_values[s, :n, :k].tolist()
+            if s in scored and tokens:
+                n, k = len(tokens), self.slots[s].params.logprobs
+                _, lp, rank, tv, ti = host[s]
+                block.logprobs, block.ranks = lp[:n].tolist(), rank[:n].tolist()
+                block.top_ids, block.top_logprobs = ti[:n, :k].tolist(), tv[:n, :k].tolist()
             out.append(block)
         return out
