@@ -139,8 +139,199 @@ class NemotronLabsDiffusionConfig(_Frozen):
             tie_word_embeddings=False, sliding_window=None)
 
 
-ModelConfig = NemotronLabsDiffusionConfig
-SUPPORTED_MODEL_TYPES: dict[str, type[_Frozen]] = {"nemotron_labs_diffusion": NemotronLabsDiffusionConfig}
+class LayerRope(_Frozen):
+    """One layer type's RoPE: `default` (full rotary) or `proportional` (Gemma-4 full layers: only the
+    first `partial_rotary_factor` of each half is rotated, at frequencies of the whole head_dim)."""
+
+    rope_type: Literal["default", "proportional"] = "default"
+    rope_theta: PositiveFloat
+    partial_rotary_factor: float = Field(1.0, gt=0, le=1)
+    factor: PositiveFloat = 1.0
+
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+class DiffusionGemmaConfig(_Frozen):
+    """DiffusionGemma (SPEC.md 2.2): one Gemma-4 MoE text backbone run causally (prefill, commit) and
+    bidirectionally (denoise), tied embeddings, decoded by uniform-noise diffusion over
+    `canvas_length`-token canvases. config.json nests the backbone under `text_config`; it is read
+    flattened (the vision tower is not served). Full-attention layers take their head_dim and KV heads
+    from `per_layer_config` (what transformers writes) or else `global_head_dim` (default 512) and
+    `num_global_key_value_heads`, exactly as transformers resolves them."""
+
+    model_type: Literal["diffusion_gemma"]
+    vocab_size: PositiveInt
+    hidden_size: PositiveInt
+    intermediate_size: PositiveInt
+    num_hidden_layers: PositiveInt
+    num_attention_heads: PositiveInt
+    num_key_value_heads: PositiveInt
+    head_dim: PositiveInt = 256
+    global_head_dim: PositiveInt = 512
+    num_global_key_value_heads: PositiveInt | None = None
+    attention_k_eq_v: bool = True
+    per_layer_config: dict[int, dict[str, Any]] = Field(default_factory=dict)
+    layer_types: tuple[Literal["sliding_attention", "full_attention"], ...] | None = None
+    sliding_window: PositiveInt = 512
+    rope_parameters: dict[Literal["sliding_attention", "full_attention"], LayerRope] = Field(
+        default_factory=lambda: {SLIDING: LayerRope(rope_theta=10_000.0),
+                                 FULL: LayerRope(rope_type="proportional", partial_rotary_factor=0.25,
+                                                 rope_theta=1_000_000.0)})
+    hidden_activation: Literal["gelu_pytorch_tanh"] = "gelu_pytorch_tanh"
+    max_position_embeddings: PositiveInt = 131_072
+    rms_norm_eps: PositiveFloat = 1e-6
+    final_logit_softcapping: PositiveFloat = 30.0
+    num_experts: PositiveInt
+    top_k_experts: PositiveInt
+    moe_intermediate_size: PositiveInt
+    attention_bias: Literal[False] = False
+    use_bidirectional_attention: Literal["vision"] | None = None
+    tie_word_embeddings: Literal[True] = True
+    bos_token_id: int | None = 2
+    eos_token_id: int | list[int] = 1
+    pad_token_id: int | None = 0
+    canvas_length: PositiveInt = 256
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", validation_alias="torch_dtype")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flatten(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        text = data.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("text_config: a DiffusionGemma config.json nests its backbone in text_config")
+        if text.get("use_bidirectional_attention") == "all":
+            # transformers then halves the window and makes the encoder bidirectional: not a text server
+            raise ValueError("text_config.use_bidirectional_attention='all' is not supported (causal encoder expected)")
+        flat = {k: v for k, v in text.items() if k != "model_type"}
+        for key in ("canvas_length", "model_type"):
+            if key in data:
+                flat[key] = data[key]
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype"):
+            if key in data and key not in flat:
+                flat[key] = data[key]
+        if flat.get("dtype") is not None and "torch_dtype" not in flat:
+            flat["torch_dtype"] = flat["dtype"]
+        for key in ("rope_parameters", "layer_types", "global_head_dim", "sliding_window"):
+            if flat.get(key) is None:
+                flat.pop(key, None)
+        return flat
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "DiffusionGemmaConfig":
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_hidden_layers="
+                             f"{self.num_hidden_layers}")
+        if self.top_k_experts > self.num_experts:
+            raise ValueError(f"top_k_experts={self.top_k_experts} > num_experts={self.num_experts}")
+        for i in range(self.num_hidden_layers):
+            if self.num_attention_heads % self.layer_num_kv_heads(i):
+                raise ValueError(f"layer {i}: num_attention_heads={self.num_attention_heads} is not a multiple "
+                                 f"of its {self.layer_num_kv_heads(i)} KV heads")
+        for name in ("bos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ValueError(f"{name}={value} outside the vocabulary [0, {self.vocab_size})")
+        for eos in self.eos_token_ids:
+            if not 0 <= eos < self.vocab_size:
+                raise ValueError(f"eos_token_id={eos} outside the vocabulary [0, {self.vocab_size})")
+        return self
+
+    @property
+    def family(self) -> str:
+        return "diffusion-gemma"
+
+    @property
+    def mask_token_id(self) -> None:
+        """No mask token: a canvas starts as uniform random tokens and is renoised uniformly (SPEC 4)."""
+        return None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.eos_token_id) if isinstance(self.eos_token_id, list) else (self.eos_token_id,)
+
+    @property
+    def layer_type_list(self) -> tuple[str, ...]:
+        """transformers' default when absent: five sliding layers then one full; the last layer full."""
+        types = list(self.layer_types or [SLIDING if (i + 1) % 6 else FULL for i in range(self.num_hidden_layers)])
+        types[-1] = FULL
+        return tuple(types)
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_type_list[layer] == SLIDING
+
+    def layer_head_dim(self, layer: int) -> int:
+        if self.is_sliding(layer):
+            return self.head_dim
+        return self._override(layer).get("head_dim", self.head_dim if self.per_layer_config else self.global_head_dim)
+
+    def layer_num_kv_heads(self, layer: int) -> int:
+        if self.is_sliding(layer):
+            return self.num_key_value_heads
+        if self.per_layer_config:
+            return self._override(layer).get("num_key_value_heads", self.num_key_value_heads)
+        if self.attention_k_eq_v and self.num_global_key_value_heads is not None:
+            return self.num_global_key_value_heads
+        return self.num_key_value_heads
+
+    def _override(self, layer: int) -> dict[str, Any]:
+        return self.per_layer_config.get(layer, {})
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raises ValueError naming the first field that cannot be split tp ways. KV heads fewer than
+        tp are replicated (each rank holds the one its query heads read), so they need tp % kv == 0."""
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size={tp} must be >= 1")
+        for name in ("num_attention_heads", "intermediate_size", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if value % tp:
+                raise ValueError(f"{name}={value} is not divisible by tensor_parallel_size={tp}")
+        for i in range(self.num_hidden_layers):
+            kv = self.layer_num_kv_heads(i)
+            if (kv % tp) if kv >= tp else (tp % kv):
+                raise ValueError(f"layer {i}: {kv} KV heads cannot be split or replicated "
+                                 f"tensor_parallel_size={tp} ways")
+        if self.vocab_size < tp:
+            raise ValueError(f"vocab_size={self.vocab_size} is smaller than tensor_parallel_size={tp}")
+
+
+class RenoiseDefaults(_Frozen):
+    """DiffusionGemma's decoding knobs (SPEC.md 4) from `generation_config.json`, with transformers'
+    defaults (`DiffusionGemmaGenerationConfig._get_default_generation_params`) for absent or null keys;
+    per-server and per-request overrides layer over these."""
+
+    max_denoising_steps: PositiveInt = 48
+    t_min: float = Field(0.4, ge=0)
+    t_max: float = Field(0.8, ge=0)
+    entropy_bound: PositiveFloat = 0.1
+    stability_threshold: int = Field(1, ge=0)
+    confidence_threshold: float = Field(0.005, ge=0, description="0 forces exactly max_denoising_steps steps")
+
+    @model_validator(mode="after")
+    def _schedule(self) -> "RenoiseDefaults":
+        if self.t_max <= self.t_min:
+            raise ValueError(f"t_max={self.t_max} must be > t_min={self.t_min}")
+        return self
+
+    @classmethod
+    def from_generation(cls, gen: "GenerationDefaults") -> "RenoiseDefaults":
+        extra = gen.model_extra or {}
+        data = {k: extra[k] for k in ("max_denoising_steps", "t_min", "t_max", "stability_threshold",
+                                      "confidence_threshold") if extra.get(k) is not None}
+        sampler = extra.get("sampler_config")
+        if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
+            data["entropy_bound"] = sampler["entropy_bound"]
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            raise ValueError(_format_validation_error("generation_config.json", err)) from None
+
+
+ModelConfig = NemotronLabsDiffusionConfig | DiffusionGemmaConfig
+SUPPORTED_MODEL_TYPES: dict[str, type[_Frozen]] = {"nemotron_labs_diffusion": NemotronLabsDiffusionConfig,
+                                                   "diffusion_gemma": DiffusionGemmaConfig}
 
 
 class GenerationDefaults(BaseModel):

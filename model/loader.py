@@ -19,10 +19,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from model.config import ModelConfig, load_model_config
+from model.diffusion_gemma import DiffusionGemmaForBlockDiffusion
 from model.nemotron_ld import NemotronLabsDiffusionModel
 from model.parallel.group import TPGroup
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {"nemotron_labs_diffusion": NemotronLabsDiffusionModel}
+MODEL_CLASSES: dict[str, type[nn.Module]] = {"nemotron_labs_diffusion": NemotronLabsDiffusionModel,
+                                             "diffusion_gemma": DiffusionGemmaForBlockDiffusion}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -64,8 +66,11 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[str, object]]:
         parts = name.split(".")
         module = parts[-2] if len(parts) >= 2 else ""
         if module in fused:
+            # a fused module may hold only some of the projections (DiffusionGemma's full layers: q|k, K = V)
+            shards = getattr(model.get_submodule(".".join(parts[:-1])), "checkpoint_shards", None)
             for ckpt_module, shard in fused[module]:
-                expected[".".join(parts[:-2] + [ckpt_module, parts[-1]])] = (name, shard)
+                if shards is None or shard in shards:
+                    expected[".".join(parts[:-2] + [ckpt_module, parts[-1]])] = (name, shard)
         else:
             expected[name] = (name, None)
     return expected

@@ -1,6 +1,6 @@
 """Write a tiny random checkpoint in a family's real format, for tests and `make serve`.
 
-    python -m model.tiny OUTDIR --family nemotron-ld [--seed N] [--shards K]
+    python -m model.tiny OUTDIR --family nemotron-ld|diffusion-gemma [--seed N] [--shards K]
 
 `config.json` carries the real field names, the safetensors the real tensor names (optionally sharded
 with `model.safetensors.index.json`), plus `generation_config.json` and an offline-built tokenizer
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from model.tiny_tokenizer import MISTRAL_STYLE_CHAT_TEMPLATE, build_tiny_tokenizer
+from model.tiny_tokenizer import GEMMA_STYLE_CHAT_TEMPLATE, MISTRAL_STYLE_CHAT_TEMPLATE, build_tiny_tokenizer
 
 # Divisible by tp = 1, 2, 3 (heads, kv heads, intermediate); the vocabulary (997, prime) is not.
 NEMOTRON_LD_TINY_CONFIG = {
@@ -95,7 +95,84 @@ def write_nemotron_ld(outdir: Path, seed: int = 0, shards: int = 1, **overrides)
     return outdir
 
 
-FAMILIES = {"nemotron-ld": write_nemotron_ld}
+# DiffusionGemma: the 26B-A4B's structure at toy size. Layers sliding, sliding, full (the last layer is
+# always full); full layers K = V with one KV head (replicated under TP, as the 26B's 2 heads at TP 4/8)
+# and a wider head; heads, intermediate sizes split by tp = 1, 2, 4; the vocabulary (997, prime) does not.
+# The window (8) is shorter than test prompts so that it matters.
+DIFFUSION_GEMMA_TINY_TEXT_CONFIG = {
+    "vocab_size": 997, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "sliding_window": 8,
+    "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
+    "max_position_embeddings": 1024, "use_bidirectional_attention": "vision",
+    "pad_token_id": 0, "eos_token_id": [1, 5], "bos_token_id": 2,
+}
+DIFFUSION_GEMMA_TINY_VISION_CONFIG = {  # present in the checkpoint like the real one's; never served
+    "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "head_dim": 8, "max_position_embeddings": 128, "position_embedding_size": 64,
+    "patch_size": 4, "pooling_kernel_size": 1,
+}
+DIFFUSION_GEMMA_SPECIAL_TOKENS = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<start_of_turn>",
+                                  5: "<end_of_turn>", 6: "<start_of_image>", 7: "<end_of_image>",
+                                  8: "<image_soft_token>"}
+# generation_config.json knobs (SPEC.md 4), in transformers' DiffusionGemmaGenerationConfig spelling
+DIFFUSION_GEMMA_TINY_GENERATION = {
+    "max_denoising_steps": 12, "t_min": 0.4, "t_max": 0.8, "stability_threshold": 1, "confidence_threshold": 0.005,
+    "sampler_config": {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig"},
+}
+
+
+def _randomize_diffusion_gemma(model, seed: int) -> None:
+    """Weights of useful scale instead of transformers' N(0, 0.02): peaked logits, decisive routing, and
+    encoder and decoder layer scalars that differ (transformers keeps them as separate buffers)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "vision" in name:
+                continue
+            if name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
+            elif name.endswith("router.proj.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 3 / math.sqrt(p.shape[-1]))
+            elif p.dim() >= 2:  # linears [out, in] and experts [E, out, in]
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+            else:  # norm weights, router scales
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.75 + 0.5 * torch.rand(b.shape, generator=gen))
+
+
+def write_diffusion_gemma(outdir: Path, seed: int = 0, shards: int = 1, canvas_length: int = 16,
+                          **text_overrides) -> Path:
+    """Built with transformers' own DiffusionGemma classes and save_pretrained, so config.json and the
+    tensor names are exactly what transformers writes (tied weights once, under model.decoder.*)."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    text = {**DIFFUSION_GEMMA_TINY_TEXT_CONFIG, **text_overrides}
+    specials = DIFFUSION_GEMMA_SPECIAL_TOKENS
+    cfg = DiffusionGemmaConfig(text_config=text, vision_config=DIFFUSION_GEMMA_TINY_VISION_CONFIG,
+                               canvas_length=canvas_length, boi_token_id=6, eoi_token_id=7, image_token_id=8)
+    torch.manual_seed(seed)
+    model = DiffusionGemmaForBlockDiffusion(cfg).eval()
+    _randomize_diffusion_gemma(model, seed)
+    outdir.mkdir(parents=True, exist_ok=True)
+    unique = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}  # tied once
+    model.save_pretrained(outdir, max_shard_size=sum(unique.values()) // shards + 1 if shards > 1 else "50GB")
+    eos = text["eos_token_id"]
+    generation = {"bos_token_id": text["bos_token_id"], "eos_token_id": eos, "pad_token_id": text["pad_token_id"],
+                  **DIFFUSION_GEMMA_TINY_GENERATION}
+    (outdir / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    build_tiny_tokenizer(outdir, vocab_size=text["vocab_size"], special_tokens=specials,
+                         bos_token=specials[text["bos_token_id"]],
+                         eos_token=specials[eos[0] if isinstance(eos, list) else eos],
+                         pad_token=specials[text["pad_token_id"]], mask_token=None,
+                         chat_template=GEMMA_STYLE_CHAT_TEMPLATE)
+    return outdir
+
+
+FAMILIES = {"nemotron-ld": write_nemotron_ld, "diffusion-gemma": write_diffusion_gemma}
 
 
 def main(argv: list[str] | None = None) -> None:
