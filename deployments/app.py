@@ -168,7 +168,10 @@ class OpenAIIngress:
                            headers={"Retry-After": "1"}) from None
         if "error" in item:
             status, type_ = ERROR_STATUS.get(item["error"], (500, "internal_error"))
-            param = "max_tokens" if item["error"] == "invalid" and "max_tokens" in item["message"] else None
+            param = None
+            if item["error"] == "invalid":  # the engine's checks name the field first
+                param = "diffusion.mode" if item["message"].startswith("mode=") else \
+                    "max_tokens" if "max_tokens" in item["message"] else None
             headers = {"Retry-After": "1"} if status in (429, 503) else None
             raise APIError(status, item["message"], type_, param, headers)
         return item["output"]

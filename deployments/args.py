@@ -33,8 +33,13 @@ class AppArgs(BaseModel):
     mode: Literal["diffusion", "ar", "linear_spec"] = "diffusion"
     policy: Literal["threshold", "low_confidence", "leftmost", "entropy_bound"] = "threshold"
     threshold: float = Field(0.9, gt=0, le=1)
-    entropy_bound: float = Field(0.1, gt=0)
+    entropy_bound: float | None = Field(None, gt=0, description="None: 0.1, or DiffusionGemma's generation_config")
     max_denoising_steps: int | None = Field(None, ge=1)
+    # DiffusionGemma's renoise sampler; None: the checkpoint's generation_config.json
+    t_min: float | None = Field(None, ge=0)
+    t_max: float | None = Field(None, gt=0)
+    stability_threshold: int | None = Field(None, ge=0)
+    confidence_threshold: float | None = Field(None, ge=0)
 
     def model_dir(self) -> str:
         return self.model or str(default_model_dir())
@@ -56,7 +61,9 @@ class AppArgs(BaseModel):
 
     def decode_defaults(self) -> dict:
         return {"mode": self.mode, "policy": self.policy, "threshold": self.threshold,
-                "entropy_bound": self.entropy_bound, "max_denoising_steps": self.max_denoising_steps}
+                "entropy_bound": self.entropy_bound, "max_denoising_steps": self.max_denoising_steps,
+                "t_min": self.t_min, "t_max": self.t_max, "stability_threshold": self.stability_threshold,
+                "confidence_threshold": self.confidence_threshold}
 
 
 def default_model_dir() -> Path:

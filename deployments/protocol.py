@@ -38,6 +38,11 @@ class DiffusionOptions(_Strict):
     max_denoising_steps: int | None = Field(None, ge=1)
     seed_first_position: bool | None = None
     eos_early_stop: bool | None = None
+    # DiffusionGemma's renoise sampler (SPEC.md 4); unset: the checkpoint's generation_config.json
+    t_min: float | None = Field(None, ge=0)
+    t_max: float | None = Field(None, gt=0)
+    stability_threshold: int | None = Field(None, ge=0)
+    confidence_threshold: float | None = Field(None, ge=0)
 
 
 class StreamOptions(_Strict):
@@ -94,7 +99,7 @@ class _SamplingRequest(_Strict):
 
     def _decode_params(self, defaults: dict, max_tokens: int, logprobs: int | None,
                        logprobs_field: str) -> DecodeParams:
-        values = dict(defaults)
+        values = {k: v for k, v in defaults.items() if v is not None}
         if self.diffusion is not None:
             values |= self.diffusion.model_dump(exclude_none=True)
         given = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "logprobs": logprobs,

@@ -13,14 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-from model.attention import StepContext, step_context
+from model.attention import StepContext, sliding_window_mask, step_context
 
 KEY_BUCKET = 256
 
 
-def device_context(kv, meta: torch.Tensor, width: int, kv_len: int) -> tuple[StepContext, torch.Tensor]:
+def device_context(kv, meta: torch.Tensor, width: int, kv_len: int,
+                   window: int | None = None) -> tuple[StepContext, torch.Tensor]:
     """The StepContext of rows described by `meta` [4, B] (slots, starts, lengths, causal), computed
-    with device ops only (no host values, so it can be captured). Returns it and positions [B, width]."""
+    with device ops only (no host values, so it can be captured). Returns it and positions [B, width].
+    `window`: the sliding window of sliding-attention layers (DiffusionGemma), None for none."""
     slot, start, length, causal = meta[0], meta[1], meta[2], meta[3].bool()
     i = torch.arange(width, device=meta.device)
     pos = start[:, None] + i[None, :]
@@ -30,7 +32,9 @@ def device_context(kv, meta: torch.Tensor, width: int, kv_len: int) -> tuple[Ste
     first, end = start[:, None, None], (start + length)[:, None, None]
     in_segment = (j >= first) & (j < end)
     visible = (j < first) | (in_segment & (~causal[:, None, None] | (j <= pos[:, :, None])))
-    ctx = StepContext(kv=kv, slots=slot, write_index=write.flatten(), kv_len=kv_len, mask=visible.unsqueeze(1))
+    window_mask = None if window is None else sliding_window_mask(visible, pos, start, real, causal, window)
+    ctx = StepContext(kv=kv, slots=slot, write_index=write.flatten(), kv_len=kv_len, mask=visible.unsqueeze(1),
+                      window_mask=window_mask, causal_rows=causal)
     return ctx, pos
 
 

@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.attention import KVCache, step_context
+from model.attention import KVCache, LayeredKVCache, step_context
+from model.config import RenoiseDefaults
 from model.graphs import CanvasGraphs, device_context, keys_for
 from model.parallel import reductions as R
 from model.protocol import Block, Command, Events, NewSlot, StepCounters
+from model.renoise_canvases import RenoiseCanvases
 from model.sampling.filters import mask_token, scale_and_filter
 from model.sampling.logprobs import ScoreBuffer, token_scores
 from model.sampling.noise import gumbel
@@ -50,19 +52,23 @@ class SlotState:
 
 class Runner:
     def __init__(self, model, num_slots: int, max_model_len: int, device: torch.device | str = "cpu",
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, renoise_defaults: RenoiseDefaults | None = None):
         cfg = model.config
         self.model, self.tp, self.device = model, model.tp, torch.device(device)
-        self.C, self.mask_id = cfg.canvas_length, cfg.mask_token_id
+        self.C, self.mask_id = cfg.canvas_length, cfg.mask_token_id   # no mask token: uniform-noise family
         self.eos_ids = cfg.eos_token_ids
         self.num_slots = num_slots
-        layers, kv_heads, head_dim = model.kv_shape
         dtype = next(model.parameters()).dtype
         # + C: a verify may write scratch KV past the budget's last token
-        self.kv = KVCache(layers, num_slots, max_model_len + self.C, kv_heads, head_dim, dtype, self.device)
+        if hasattr(model, "kv_layer_shapes"):
+            self.kv = LayeredKVCache(model.kv_layer_shapes, num_slots, max_model_len + self.C, dtype, self.device)
+        else:
+            layers, kv_heads, head_dim = model.kv_shape
+            self.kv = KVCache(layers, num_slots, max_model_len + self.C, kv_heads, head_dim, dtype, self.device)
+        self.window = getattr(model, "sliding_window", None)
         self.max_model_len = max_model_len
         S, C, dev = num_slots, self.C, self.device
-        self.canvas = torch.full((S, C), self.mask_id, dtype=torch.int64, device=dev)
+        self.canvas = torch.full((S, C), self.mask_id or 0, dtype=torch.int64, device=dev)
         self.block_tokens = torch.zeros(S, C, dtype=torch.int64, device=dev)
         self.last_token = torch.zeros(S, dtype=torch.int64, device=dev)
         self.canvas_scores = ScoreBuffer(S, C, dev)   # reveal-time scores of the canvas being denoised
@@ -77,9 +83,13 @@ class Runner:
         self.seed = torch.zeros(S, dtype=torch.int64, device=dev)
         self.steps_limit = torch.ones(S, dtype=torch.int64, device=dev)
         self.slots: dict[int, SlotState] = {}
+        self.renoise = None
+        if cfg.family == "diffusion-gemma":
+            self.renoise = RenoiseCanvases(self, renoise_defaults or RenoiseDefaults(), cfg.hidden_size, dtype)
         on_cuda = self.device.type == "cuda"
-        self.graphs = CanvasGraphs(model, self.kv, self.C) if (on_cuda if cuda_graphs is None else cuda_graphs) \
-            else None
+        # the self-conditioning input is not a graph input yet: DiffusionGemma runs eagerly
+        use_graphs = (on_cuda if cuda_graphs is None else cuda_graphs) and self.renoise is None
+        self.graphs = CanvasGraphs(model, self.kv, self.C) if use_graphs else None
 
     # ---- commands -------------------------------------------------------------------------------
     def execute(self, cmd: Command) -> Events:
@@ -106,10 +116,11 @@ class Runner:
         s = new.slot
         self.temperature[s] = p.effective_temperature
         self.top_k[s], self.top_p[s] = p.top_k, p.top_p
-        self.tau[s], self.gamma[s] = p.threshold, p.entropy_bound
+        p.check_family(self.model.config.family)
+        self.tau[s], self.gamma[s] = p.threshold, p.reveal_entropy_bound
         self.policy[s] = POLICY_IDS[p.policy]
         self.seed[s] = new.seed
-        self.steps_limit[s] = p.steps_for(self.C)
+        self.steps_limit[s] = self.renoise.admit(s, p) if self.renoise else p.steps_for(self.C)
 
     # ---- one step -------------------------------------------------------------------------------
     def _step(self, counters: StepCounters) -> list[tuple[int, list[int]]]:
@@ -134,7 +145,7 @@ class Runner:
         return blocks
 
     def _forward(self, slots: list[int], tokens: torch.Tensor, starts: list[int], lengths: list[int],
-                 causal: list[bool]) -> torch.Tensor:
+                 causal: list[bool], soft: torch.Tensor | None = None) -> torch.Tensor:
         width = tokens.shape[1]
         for s, n in zip(starts, lengths):
             assert 0 < n <= width and s + n <= self.kv.max_len, (s, n, width)
@@ -142,8 +153,10 @@ class Runner:
         if self.graphs is not None and width == self.C:
             return self.graphs.forward(meta, tokens, starts)
         ctx, positions = device_context(self.kv, meta.to(self.device, non_blocking=True), width,
-                                        keys_for(starts, width, self.kv.max_len))
+                                        keys_for(starts, width, self.kv.max_len), self.window)
         with step_context(ctx), torch.inference_mode():
+            if self.renoise:
+                return self.model(tokens, positions, soft)
             return self.model(tokens, positions)
 
     def _host(self, values, dtype=torch.int64) -> torch.Tensor:
@@ -214,6 +227,9 @@ class Runner:
         counters.forwards += len(slots)
         for s, n in zip(slots, lengths):
             self.slots[s].length = n
+        if self.renoise:  # a uniform-noise canvas needs no prediction from the prefix
+            self.renoise.start(slots)
+            return
         self._after_causal(slots, self._logits(last), reads, counters)
 
     def _after_causal(self, slots: list[int], logits: torch.Tensor, reads, counters: StepCounters) -> None:
@@ -276,12 +292,14 @@ class Runner:
         causal = [st.phase in (COMMIT, VERIFY) for st in states]
         tokens = self.canvas[idx]
         starts = [st.length for st in states]
-        hidden = self._forward(slots, tokens, starts, [self.C] * len(slots), causal)
+        soft = self.renoise.soft[idx] if self.renoise else None
+        hidden = self._forward(slots, tokens, starts, [self.C] * len(slots), causal, soft)
         counters.forwards += len(slots)
         by_phase: dict[str, list[int]] = {}
         for i, st in enumerate(states):
             by_phase.setdefault(st.phase, []).append(i)
-        handlers = {DENOISE: self._denoise, COMMIT: self._commit, DRAFT: self._draft, VERIFY: self._verify}
+        denoise = self.renoise.denoise if self.renoise else self._denoise
+        handlers = {DENOISE: denoise, COMMIT: self._commit, DRAFT: self._draft, VERIFY: self._verify}
         for phase, rows in by_phase.items():
             pick = self._dev(rows)
             handlers[phase]([slots[i] for i in rows], hidden[pick], reads, counters)
@@ -338,7 +356,10 @@ class Runner:
         steps = [self.slots[s].n for s in slots]
         for s in slots:
             self.slots[s].length += self.C
-        self._after_causal(slots, self._logits(hidden[:, -1]), reads, counters)
+        if self.renoise:
+            self.renoise.start(slots)
+        else:
+            self._after_causal(slots, self._logits(hidden[:, -1]), reads, counters)
         tokens = self.block_tokens[idx]
 
         def apply(flat, blocks):

@@ -137,6 +137,11 @@ def _randomize_diffusion_gemma(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 3 / math.sqrt(p.shape[-1]))
             elif p.dim() >= 2:  # linears [out, in] and experts [E, out, in]
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+                if "self_conditioning.down_proj" in name:
+                    # at unit gain the random self-conditioning loop is expansive (~2.5x per step), and
+                    # would amplify fp32 rounding of batch shapes past any tolerance; 0.3 keeps the
+                    # signal well visible (parity tests check it) and the loop contractive
+                    p.mul_(0.3)
             else:  # norm weights, router scales
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
         for name, b in model.named_buffers():

@@ -33,3 +33,40 @@ def canvas_mask(prefix: int, canvas: int) -> torch.Tensor:
     mask = torch.ones(n, n, dtype=torch.bool).tril()
     mask[prefix:, prefix:] = True
     return mask[None, None]
+
+
+def gemma_generate_with_our_draws(ref, prompt: torch.Tensor, seed: torch.Tensor, steps: int, canvases: int,
+                                  knobs: dict, monkeypatch) -> tuple[list[int], int]:
+    """transformers' DiffusionGemma `generate`, its torch.multinomial and canvas initialisation drawing
+    our counter-based noise in the order our runner draws it (one counter per canvas start and per
+    denoise step: the step's Gumbel sample and its renoise, which transformers draws through
+    initialize_canvas, share it). Returns (generated tokens, draws used)."""
+    from transformers.models.diffusion_gemma import generation_diffusion_gemma as G
+
+    from model.sampling import renoise as RN
+
+    vocab = ref.config.get_text_config().vocab_size
+    canvas = ref.config.canvas_length
+    state = {"counter": 0}
+    one = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+
+    def multinomial(probs, num_samples):
+        g = RN.gumbel(seed, one(state["counter"]), probs.shape[0], 0, vocab)[0]
+        return torch.argmax(torch.log(probs) + g, dim=-1, keepdim=True)
+
+    def initialize_canvas(self, batch_size, device):
+        out = RN.random_tokens(seed, one(state["counter"]), canvas, vocab)
+        state["counter"] += 1
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "multinomial", multinomial)
+        m.setattr(G.EntropyBoundSampler, "initialize_canvas", initialize_canvas)
+        with torch.no_grad():
+            out = ref.generate(prompt[None], max_new_tokens=canvases * canvas, max_denoising_steps=steps,
+                               t_min=knobs["t_min"], t_max=knobs["t_max"],
+                               sampler_config=G.EntropyBoundSamplerConfig(entropy_bound=knobs["entropy_bound"]),
+                               stability_threshold=knobs["stability_threshold"],
+                               confidence_threshold=knobs["confidence_threshold"], eos_token_id=None,
+                               pad_token_id=None)
+    return out.sequences[0, len(prompt):].tolist(), state["counter"]

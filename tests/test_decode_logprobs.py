@@ -259,7 +259,7 @@ def check_reveals_follow_spec(runner, params_of_slot):
             chosen = rv.reveal(torch.tensor([rv.POLICY_IDS[p.policy]]), [p.policy], masked[None],
                                torch.tensor([step["n"][i]]), torch.tensor([N]), confidence=confidence[None],
                                entropy=entropy[None], tau=torch.tensor([p.threshold]),
-                               gamma=torch.tensor([p.entropy_bound]))[0]
+                               gamma=torch.tensor([p.reveal_entropy_bound]))[0]
             expected = torch.where(chosen, x0, step["before"][i])
             assert torch.equal(step["after"][i], expected), (s, step["n"][i])
             checked += 1

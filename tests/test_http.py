@@ -12,6 +12,7 @@ import ray
 from ray import serve
 
 from deployments.app import build_app
+from model.tiny import write_diffusion_gemma
 from tests.serve_harness import start_serve, stop_serve, wait_until
 
 KEY = "test-key"
@@ -19,12 +20,15 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_nemotron):
+def server(tiny_nemotron, tmp_path_factory):
     port = start_serve()
     common = dict(model=str(tiny_nemotron), served_model_name=MODEL, max_model_len=512, max_steps_per_command=8)
     serve.run(build_app({**common, "max_num_seqs": 4, "max_queue": 2, "api_key": KEY}), name="tp1",
               route_prefix="/tp1")
     serve.run(build_app({**common, "max_num_seqs": 4, "tensor_parallel_size": 2}), name="tp2", route_prefix="/tp2")
+    gemma = write_diffusion_gemma(tmp_path_factory.mktemp("tiny-gemma-http"), seed=0)
+    serve.run(build_app({"model": str(gemma), "served_model_name": "gemma", "max_model_len": 256}), name="gemma",
+              route_prefix="/gemma")
     yield port
     stop_serve()
 
@@ -228,3 +232,25 @@ def test_killed_shard_ends_request_with_error_then_recovers(server):
     r = client(server, "tp2").completions.create(model=MODEL, prompt="again", max_tokens=5, **GREEDY)
     assert r.usage.completion_tokens == 5
 
+
+
+def test_diffusion_gemma_served_by_the_same_app(server):
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{server}/gemma/v1", api_key="x", max_retries=0, timeout=120)
+    kw = dict(model="gemma", prompt="Hello", max_tokens=32, logprobs=2, seed=3, extra_body={"ignore_eos": True})
+    whole = c.completions.create(**kw)
+    assert whole.usage.completion_tokens == 32 and whole.usage.model_extra["diffusion"]["canvases"] == 2
+    assert len(whole.choices[0].logprobs.token_logprobs) == 32
+    chunks = list(c.completions.create(stream=True, **kw))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
+    chat = c.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "hi"}], max_tokens=16,
+                                     seed=1, extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 16
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model="gemma", prompt="x", max_tokens=4, extra_body={"diffusion": {"mode": "ar"}})
+    assert err.value.body["param"] == "diffusion.mode" and "DiffusionGemma" in err.value.body["message"]
+    fixed = c.completions.create(model="gemma", prompt="x", max_tokens=32, seed=2, extra_body={
+        "ignore_eos": True, "diffusion": {"max_denoising_steps": 3, "confidence_threshold": 0, "t_min": 0.2}})
+    assert fixed.usage.model_extra["diffusion"]["denoising_steps"] == 6  # 3 per canvas, per-request knobs
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model="gemma", prompt="x", extra_body={"diffusion": {"t_min": 0.9, "t_max": 0.5}})
+    assert "t_max" in err.value.body["message"]

@@ -88,6 +88,7 @@ class Coordinator:
         await self.start()  # the first request starts the shards
         request_id = request_id or f"cmpl-{next(self._ids)}"
         try:
+            params.check_family(self.config.family)
             self.scheduler.add(request_id, prompt, params)
         except QueueFull:
             raise RequestError("queue_full", f"the request queue is full ({self.max_queue} waiting)") from None

@@ -30,6 +30,7 @@ class Engine:
         self._ids = itertools.count()
 
     def add(self, prompt: Sequence[int], params: DecodeParams, request_id: str | None = None) -> Request:
+        params.check_family(self.config.family)
         return self.scheduler.add(request_id or f"req-{next(self._ids)}", prompt, params)
 
     def step(self) -> list[RequestOutput]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from model.config import RenoiseDefaults, load_generation_defaults
 from model.loader import load_model
 from model.parallel.group import TPGroup
 from model.protocol import Command, Events
@@ -28,7 +29,10 @@ class ShardFailure(RuntimeError):
 def build_runner(model_dir: str, tp: TPGroup, num_slots: int, max_model_len: int, dtype, device: str,
                  load_format: str = "safetensors") -> Runner:
     model = load_model(model_dir, tp, dtype=dtype, device=device, load_format=load_format)
-    return Runner(model, num_slots=num_slots, max_model_len=max_model_len, device=device)
+    renoise = None
+    if model.config.family == "diffusion-gemma":
+        renoise = RenoiseDefaults.from_generation(load_generation_defaults(model_dir))
+    return Runner(model, num_slots=num_slots, max_model_len=max_model_len, device=device, renoise_defaults=renoise)
 
 
 class InProcessShards:
