@@ -81,3 +81,22 @@ def test_serve_app_on_gpu(tiny_nemotron):
         assert chunks[-1].choices[0].finish_reason == "length"
     finally:
         stop_serve()
+
+
+def test_cuda_diffusion_gemma_engine(tmp_path):
+    from model.sampling.params import DecodeParams
+    from model.tiny import write_diffusion_gemma
+    from workers.engine import Engine
+
+    model_dir = write_diffusion_gemma(tmp_path / "gemma", seed=0)
+    with Engine(model_dir, num_slots=4, max_model_len=256, device="cuda", dtype="bfloat16") as e:
+        probe = ([2, 50, 60, 70, 80], DecodeParams(seed=3, max_tokens=32, ignore_eos=True, logprobs=2))
+        alone = e.generate([probe[0]], [probe[1]])[0]
+        together = e.generate([[2, 9, 9, 9], probe[0]],
+                              [DecodeParams(seed=1, max_tokens=16, ignore_eos=True), probe[1]])[1]
+        fixed = e.generate([[2, 11]], DecodeParams(seed=1, max_tokens=32, ignore_eos=True, max_denoising_steps=4,
+                                                   confidence_threshold=0))[0]
+    assert len(alone.output) == 32 and alone.ranks == [1] * 32
+    assert together.output == alone.output
+    assert max(abs(a - b) for a, b in zip(together.logprobs, alone.logprobs)) < 0.02
+    assert fixed.denoising_steps == 8 and fixed.canvases == 2
