@@ -83,20 +83,38 @@ def test_serve_app_on_gpu(tiny_nemotron):
         stop_serve()
 
 
-def test_cuda_diffusion_gemma_engine(tmp_path):
-    from model.sampling.params import DecodeParams
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory):
     from model.tiny import write_diffusion_gemma
+
+    return write_diffusion_gemma(tmp_path_factory.mktemp("gemma-gpu"), seed=0)
+
+
+def _gemma_alone_and_together(model_dir, dtype):
+    from model.sampling.params import DecodeParams
     from workers.engine import Engine
 
-    model_dir = write_diffusion_gemma(tmp_path / "gemma", seed=0)
-    with Engine(model_dir, num_slots=4, max_model_len=256, device="cuda", dtype="bfloat16") as e:
+    with Engine(model_dir, num_slots=4, max_model_len=256, device="cuda", dtype=dtype) as e:
         probe = ([2, 50, 60, 70, 80], DecodeParams(seed=3, max_tokens=32, ignore_eos=True, logprobs=2))
         alone = e.generate([probe[0]], [probe[1]])[0]
         together = e.generate([[2, 9, 9, 9], probe[0]],
                               [DecodeParams(seed=1, max_tokens=16, ignore_eos=True), probe[1]])[1]
         fixed = e.generate([[2, 11]], DecodeParams(seed=1, max_tokens=32, ignore_eos=True, max_denoising_steps=4,
                                                    confidence_threshold=0))[0]
+    return alone, together, fixed
+
+
+def test_cuda_diffusion_gemma_engine_fp32(tiny_gemma):
+    alone, together, fixed = _gemma_alone_and_together(tiny_gemma, "float32")
     assert len(alone.output) == 32 and alone.ranks == [1] * 32
-    assert together.output == alone.output
-    assert max(abs(a - b) for a, b in zip(together.logprobs, alone.logprobs)) < 0.02
     assert fixed.denoising_steps == 8 and fixed.canvases == 2
+    assert together.output == alone.output
+    assert max(abs(a - b) for a, b in zip(together.logprobs, alone.logprobs)) < 1e-3
+
+
+@pytest.mark.xfail(strict=True, reason="bf16 forwards round differently for different batch shapes, and the "
+                   "renoise sampler's Gumbel draws at T 0.4-0.8 then pick other tokens: batch-invariant "
+                   "kernels are not done yet (seen on an H200: the first token already differs)")
+def test_cuda_diffusion_gemma_engine_bf16_isolation(tiny_gemma):
+    alone, together, _ = _gemma_alone_and_together(tiny_gemma, "bfloat16")
+    assert together.output == alone.output
