@@ -16,6 +16,17 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
+def _check_token_ids(cfg, names: tuple[str, ...]) -> None:
+    """Each named id, and every EOS id, inside the vocabulary; a ValueError naming the field if not."""
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and not 0 <= value < cfg.vocab_size:
+            raise ValueError(f"{name}={value} outside the vocabulary [0, {cfg.vocab_size})")
+    for eos in cfg.eos_token_ids:
+        if not 0 <= eos < cfg.vocab_size:
+            raise ValueError(f"eos_token_id={eos} outside the vocabulary [0, {cfg.vocab_size})")
+
+
 class RopeParameters(_Frozen):
     model_config = ConfigDict(extra="allow", frozen=True)
 
@@ -89,13 +100,7 @@ class NemotronLabsDiffusionConfig(_Frozen):
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
-        for name in ("mask_token_id", "bos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < self.vocab_size:
-                raise ValueError(f"{name}={value} outside the vocabulary [0, {self.vocab_size})")
-        for eos in self.eos_token_ids:
-            if not 0 <= eos < self.vocab_size:
-                raise ValueError(f"eos_token_id={eos} outside the vocabulary [0, {self.vocab_size})")
+        _check_token_ids(self, ("mask_token_id", "bos_token_id", "pad_token_id"))
         return self
 
     @property
@@ -230,13 +235,7 @@ class DiffusionGemmaConfig(_Frozen):
             if self.num_attention_heads % self.layer_num_kv_heads(i):
                 raise ValueError(f"layer {i}: num_attention_heads={self.num_attention_heads} is not a multiple "
                                  f"of its {self.layer_num_kv_heads(i)} KV heads")
-        for name in ("bos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < self.vocab_size:
-                raise ValueError(f"{name}={value} outside the vocabulary [0, {self.vocab_size})")
-        for eos in self.eos_token_ids:
-            if not 0 <= eos < self.vocab_size:
-                raise ValueError(f"eos_token_id={eos} outside the vocabulary [0, {self.vocab_size})")
+        _check_token_ids(self, ("bos_token_id", "pad_token_id"))
         return self
 
     @property
