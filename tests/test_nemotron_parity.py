@@ -2,9 +2,10 @@
 import pytest
 import torch
 
-from model.attention import KVCache, StepContext, step_context
 from model.loader import load_model
 from tests.reference import canvas_mask, hf_ministral3
+from tests.tp_harness import new_cache
+from tests.tp_harness import run_rows as run
 
 TOL = 1e-4
 
@@ -12,25 +13,6 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def models(tiny_nemotron):
     return load_model(tiny_nemotron, show_progress=False), hf_ministral3(tiny_nemotron)
-
-
-def run(model, kv, rows, ids_rows):
-    """rows: (slot, start, causal); ids_rows: token lists. One batched forward; logits [B, L, V]."""
-    width = max(len(t) for t in ids_rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, t in enumerate(ids_rows):
-        ids[b, : len(t)] = torch.tensor(t)
-    starts = [s for _, s, _ in rows]
-    positions = torch.tensor(starts)[:, None] + torch.arange(width)[None]
-    ctx = StepContext.build(kv, [s for s, _, _ in rows], starts, [len(t) for t in ids_rows],
-                            [c for _, _, c in rows], width, "cpu")
-    with step_context(ctx), torch.no_grad():
-        return model.compute_logits(model(ids, positions))
-
-
-def new_cache(model, slots=4, max_len=512):
-    layers, hkv, d = model.kv_shape
-    return KVCache(layers, slots, max_len, hkv, d, torch.float32, "cpu")
 
 
 def test_causal_logits_match_transformers(models):

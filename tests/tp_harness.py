@@ -97,7 +97,7 @@ def raise_worker(rank: int, world_size: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# One batched forward of mixed rows (the approach of tests/test_nemotron_parity.py)
+# One batched forward of mixed rows (tests/test_nemotron_parity.py and the TP ranks share it)
 
 def new_cache(model, slots: int = 4, max_len: int = 256, dtype: torch.dtype = torch.float32) -> KVCache:
     layers, hkv, d = model.kv_shape
