@@ -148,7 +148,7 @@ class OpenAIIngress:
             raise APIError(400, f"the prompt has {len(prompt)} tokens; this model allows at most "
                                 f"{self.args.max_model_len - 1} before output", param=prompt_param)
         stream = self.coordinator.options(stream=True).generate.remote(prompt, params)
-        first = await self._next(stream, prompt_param)
+        first = await self._next(stream)
         if first is None:
             raise APIError(503, "the model stopped without an answer", "service_unavailable")
         assembler = OutputAssembler(self.tokenizer, body.stop_strings)
@@ -157,7 +157,7 @@ class OpenAIIngress:
                                      media_type="text/event-stream")
         return await self._collect(kind, body, prompt, stream, assembler)
 
-    async def _next(self, stream, prompt_param: str):
+    async def _next(self, stream):
         """The next output of the coordinator's stream, None at its end; errors become APIError."""
         try:
             item = await stream.__anext__()
@@ -180,7 +180,7 @@ class OpenAIIngress:
         """Deltas of text until the request finishes or a stop string ends it (then upstream is cancelled)."""
         try:
             while True:
-                out = await self._next(stream, "prompt")
+                out = await self._next(stream)
                 if out is None:
                     yield assembler.finish(), None
                     return

@@ -56,7 +56,17 @@ class RopeParameters(_Frozen):
         return self
 
 
-class NemotronLabsDiffusionConfig(_Frozen):
+class _CheckpointConfig(_Frozen):
+    """What every family's config shares: `eos_token_id` is one id or a list in config.json."""
+
+    eos_token_id: int | list[int]
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.eos_token_id) if isinstance(self.eos_token_id, list) else (self.eos_token_id,)
+
+
+class NemotronLabsDiffusionConfig(_CheckpointConfig):
     """Nemotron-Labs-Diffusion (SPEC.md 2.1): a Ministral-3 backbone under `encoder.*` plus an untied
     `diffusion_head`, decoded by masked block diffusion over `block_size`-token canvases."""
 
@@ -112,10 +122,6 @@ class NemotronLabsDiffusionConfig(_Frozen):
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return tuple(self.eos_token_id) if isinstance(self.eos_token_id, list) else (self.eos_token_id,)
-
-    @property
     def canvas_length(self) -> int:
         return self.block_size
 
@@ -157,7 +163,7 @@ class LayerRope(_Frozen):
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-class DiffusionGemmaConfig(_Frozen):
+class DiffusionGemmaConfig(_CheckpointConfig):
     """DiffusionGemma (SPEC.md 2.2): one Gemma-4 MoE text backbone run causally (prefill, commit) and
     bidirectionally (denoise), tied embeddings, decoded by uniform-noise diffusion over
     `canvas_length`-token canvases. config.json nests the backbone under `text_config`; it is read
@@ -246,10 +252,6 @@ class DiffusionGemmaConfig(_Frozen):
     def mask_token_id(self) -> None:
         """No mask token: a canvas starts as uniform random tokens and is renoised uniformly (SPEC 4)."""
         return None
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return tuple(self.eos_token_id) if isinstance(self.eos_token_id, list) else (self.eos_token_id,)
 
     @property
     def layer_type_list(self) -> tuple[str, ...]:

@@ -57,16 +57,13 @@ class RenoiseCanvases:
         r = self.runner
         idx = r._rows(slots)
         states = [r.slots[s] for s in slots]
-        kmax = max(st.params.top_k for st in states)
-        use_p = any(st.params.top_p < 1 for st in states)
         step = RN.renoise_step(
             r.model.compute_logits(hidden), n=r._dev([st.n for st in states]), steps=r.steps_limit[idx],
             t_min=self.t_min[idx], t_max=self.t_max[idx], entropy_bound=r.gamma[idx],
             stability_threshold=self.stability[idx], confidence_threshold=self.confidence[idx],
             seed=r.seed[idx], counter=r._dev([st.draws for st in states]), prev_argmax=self.prev_argmax[idx],
             run=self.run[idx], vocab_start=r.model.vocab_start, vocab_size=r.model.config.vocab_size, tp=r.tp,
-            top_k=r.top_k[idx] if kmax else None, top_k_max=kmax, top_p=r.top_p[idx] if use_p else None,
-            soft_dtype=self.dtype)
+            soft_dtype=self.dtype, **r._filter_args(slots, idx))
         converged = step.converged
         # the commit feeds and emits the argmax canvas (SPEC.md 4.8)
         r.canvas[idx] = torch.where(converged[:, None], step.argmax, step.canvas)

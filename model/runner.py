@@ -174,14 +174,18 @@ class Runner:
     def _rows(self, slots: list[int]) -> torch.Tensor:
         return self._dev(slots)
 
-    def _filtered(self, slots: list[int], idx: torch.Tensor, logits: torch.Tensor):
-        """(unscaled, scaled) with each row's temperature and filters; filters only if a row asks."""
+    def _filter_args(self, slots: list[int], idx: torch.Tensor) -> dict:
+        """top_k / top_p arguments of the sampler filters: None where no row asks (work skipped)."""
         states = [self.slots[s] for s in slots]
         kmax = max(st.params.top_k for st in states)
         use_p = any(st.params.top_p < 1 for st in states)
+        return {"top_k": self.top_k[idx] if kmax else None, "top_k_max": kmax,
+                "top_p": self.top_p[idx] if use_p else None}
+
+    def _filtered(self, slots: list[int], idx: torch.Tensor, logits: torch.Tensor):
+        """(unscaled, scaled) with each row's temperature and filters."""
         return scale_and_filter(logits, self.temperature[idx], self.model.vocab_start, self.tp,
-                                top_k=self.top_k[idx] if kmax else None, top_k_max=kmax,
-                                top_p=self.top_p[idx] if use_p else None)
+                                **self._filter_args(slots, idx))
 
     def _choose(self, slots: list[int], idx: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
         """argmax(scaled + Gumbel) for sampling rows, argmax(scaled) for greedy ones: [R, P] global ids."""
@@ -252,10 +256,8 @@ class Runner:
                     self.slots[s].phase = DRAFT
             else:  # ar: the token is emitted now, fed next step
                 self.last_token[sub] = tokens[pick]
-                for s in sub_slots:
-                    st = self.slots[s]
-                    self._store_scores(self.block_scores, [s], [rows[sub_slots.index(s)]], scores,
-                                       index=len(st.pending))
+                for s, row in zip(sub_slots, rows):
+                    self._store_scores(self.block_scores, [s], [row], scores, index=len(self.slots[s].pending))
                 reads.append((tokens[pick], self._ar_read(sub_slots, counters)))
 
     def _store_scores(self, buf: ScoreBuffer, slots: list[int], rows: list[int], scores, index: int) -> None:
