@@ -30,7 +30,7 @@ PORT ?= 8000
 serve: $(STAMP)
 	MODEL="$(MODEL)" TP="$(TP)" PORT="$(PORT)" $(PY) scripts/serve_local.py $(ARGS)
 
-# On the GPU host, like test-gpu (placeholder: runs the step-rate benchmark while benchmarks/ takes shape).
+# On the GPU host, like test-gpu: the roofline ratios of the README's speed table from one run (about
+# 6 minutes on one H200; Ray from the offline bundle for the served measurement).
 bench:
-	@if [ -f benchmarks/step_rate.py ]; then python3 benchmarks/step_rate.py $(ARGS); \
-	else echo "no benchmarks yet"; fi
+	python3 -m benchmarks.roofline $(ARGS)

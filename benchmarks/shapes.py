@@ -1,12 +1,12 @@
-"""Full-size shapes without weights: a checkpoint directory holding the published config.json and a
+"""Full-size shapes without weights: checkpoint directories holding the published config.json and a
 tokenizer of the same vocabulary size, for `load_format=dummy` benchmarks."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from model.tiny import NEMOTRON_LD_SPECIAL_TOKENS
-from model.tiny_tokenizer import MISTRAL_STYLE_CHAT_TEMPLATE, build_tiny_tokenizer
+from model.tiny import DIFFUSION_GEMMA_SPECIAL_TOKENS, DIFFUSION_GEMMA_TINY_VISION_CONFIG, NEMOTRON_LD_SPECIAL_TOKENS
+from model.tiny_tokenizer import GEMMA_STYLE_CHAT_TEMPLATE, MISTRAL_STYLE_CHAT_TEMPLATE, build_tiny_tokenizer
 
 # SPEC.md 2.1: the published Nemotron-Labs-Diffusion-8B config.json
 NEMOTRON_LD_8B = {
@@ -22,6 +22,20 @@ NEMOTRON_LD_8B = {
     "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 131072,
 }
 
+# SPEC.md 2.2: DiffusionGemma 26B-A4B's text backbone (sliding layers 8 KV heads x 256, full layers
+# 2 x 512 with K = V, window 1024, 128 experts top-8); the vision tower is the tiny one (never served)
+DIFFUSION_GEMMA_26B_A4B_TEXT = {
+    "vocab_size": 262144, "hidden_size": 2816, "intermediate_size": 2112, "num_hidden_layers": 30,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "global_head_dim": 512,
+    "num_global_key_value_heads": 2, "attention_k_eq_v": True, "sliding_window": 1024,
+    "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704, "max_position_embeddings": 131072,
+    "use_bidirectional_attention": "vision", "pad_token_id": 0, "eos_token_id": [1, 5], "bos_token_id": 2,
+}
+DIFFUSION_GEMMA_GENERATION = {
+    "max_denoising_steps": 48, "t_min": 0.4, "t_max": 0.8, "stability_threshold": 1, "confidence_threshold": 0.005,
+    "sampler_config": {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig"},
+}
+
 
 def write_shapes(outdir: Path, config: dict = NEMOTRON_LD_8B) -> Path:
     outdir.mkdir(parents=True, exist_ok=True)
@@ -31,4 +45,23 @@ def write_shapes(outdir: Path, config: dict = NEMOTRON_LD_8B) -> Path:
         build_tiny_tokenizer(outdir, vocab_size=config["vocab_size"], special_tokens=s, bos_token=s[1],
                              eos_token=s[2], pad_token=None, mask_token=s[100],
                              chat_template=MISTRAL_STYLE_CHAT_TEMPLATE)
+    return outdir
+
+
+def write_diffusion_gemma_shapes(outdir: Path, text: dict = DIFFUSION_GEMMA_26B_A4B_TEXT,
+                                 canvas_length: int = 256) -> Path:
+    """config.json as transformers' DiffusionGemmaConfig writes it (so its own classes read it too)."""
+    from transformers import DiffusionGemmaConfig
+
+    outdir.mkdir(parents=True, exist_ok=True)
+    cfg = DiffusionGemmaConfig(text_config=text, vision_config=DIFFUSION_GEMMA_TINY_VISION_CONFIG,
+                               canvas_length=canvas_length, boi_token_id=6, eoi_token_id=7, image_token_id=8)
+    cfg.to_json_file(outdir / "config.json")
+    generation = {"bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"],
+                  "pad_token_id": text["pad_token_id"], **DIFFUSION_GEMMA_GENERATION}
+    (outdir / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    if not (outdir / "tokenizer.json").is_file():
+        s = DIFFUSION_GEMMA_SPECIAL_TOKENS
+        build_tiny_tokenizer(outdir, vocab_size=text["vocab_size"], special_tokens=s, bos_token=s[2], eos_token=s[1],
+                             pad_token=s[0], mask_token=None, chat_template=GEMMA_STYLE_CHAT_TEMPLATE)
     return outdir

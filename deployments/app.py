@@ -265,7 +265,7 @@ def build_app(args: dict):
 
     load_model_config(model_dir).check_tensor_parallel(a.tensor_parallel_size)  # fail at deploy, not at request
     runner_args = dict(num_slots=a.max_num_seqs, max_model_len=a.max_model_len, dtype=a.torch_dtype(),
-                       load_format=a.load_format)
+                       load_format=a.load_format, max_steps_per_command=a.max_steps_per_command)
     engine_args = dict(num_slots=a.max_num_seqs, max_model_len=a.max_model_len, max_queue=a.max_queue,
                        max_steps_per_command=a.max_steps_per_command, request_timeout_s=a.request_timeout_s)
     coordinator = CoordinatorDeployment.options(

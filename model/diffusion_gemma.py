@@ -378,10 +378,18 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
             h = layer(h, rope[SLIDING if layer.self_attn.is_sliding else FULL], scalar)
         return dec.norm(h)
 
+    @property
+    def logit_softcap(self) -> float:
+        return self.config.final_logit_softcapping
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's raw logits before the softcap, in the model's dtype (the sampler softcaps them in
+        fp32 as it reads them)."""
+        return F.linear(hidden, self.decoder.embed_tokens.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        cap = self.config.final_logit_softcapping
-        logits = F.linear(hidden, self.decoder.embed_tokens.weight).float()
-        return torch.tanh(logits / cap) * cap
+        cap = self.logit_softcap
+        return torch.tanh(self.head_logits(hidden).float() / cap) * cap
 
     def soft_embedding(self, probs: torch.Tensor) -> torch.Tensor:
         """probs [..., V_r]: this rank's slice of the globally normalised softmax(logits / T) ->

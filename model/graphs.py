@@ -1,19 +1,22 @@
-"""CUDA graphs for canvas-wide forwards (denoise, commit, draft, verify rows: tokens [B, C]).
+"""CUDA graphs of whole steps: forward, sampler and state update of a canvas-wide or AR step.
 
-A forward of the 8B model is a few hundred small kernels; launched one by one from Python their
-launch cost exceeds the GPU time of a batch-1 step. A graph replays them in one launch. One graph is
-captured lazily per (rows B, keys K), K rounded up to a bucket so a handful of graphs cover a
-request's growth. Everything step-specific enters through two static device tensors: the step's
-metadata `meta` = [slots; starts; lengths; causal] ([4, B] int64) and the tokens; the attention
-context (masks, write rows, positions) is computed from them inside the graph.
+A forward of the 8B model is a few hundred kernels and the sampler a few dozen more; launched one by
+one from Python their launch cost exceeds the GPU time of a small batch. A step reads everything from
+the runner's slot-indexed buffers through two index tensors (its rows' slots, its scored rows) and
+writes its results back into them, so a graph of it needs nothing but those two indices copied in.
+Graphs are keyed by the step kind and its RowPlan (batch, key length, sampler work); the first run of
+a key is eager (it warms up kernels, allocators and communicators and does the real step), the second
+is captured and replayed, every later one replayed.
+
+`device_context` builds a step's attention context from device tensors only, so it is captured too.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from model.attention import StepContext, sliding_window_mask, step_context
+from model.attention import StepContext, sliding_window_mask
 
 KEY_BUCKET = 256
 
@@ -38,56 +41,38 @@ def device_context(kv, meta: torch.Tensor, width: int, kv_len: int,
     return ctx, pos
 
 
-def keys_for(starts: list[int], width: int, max_len: int, bucket: int = 1) -> int:
-    return min(-(-(max(starts) + width) // bucket) * bucket, max_len)
+def bucket(keys: int, max_len: int) -> int:
+    return min(-(-keys // KEY_BUCKET) * KEY_BUCKET, max_len)
 
 
-@dataclass
-class _Captured:
-    graph: torch.cuda.CUDAGraph
-    meta: torch.Tensor      # [4, B] static input
-    tokens: torch.Tensor    # [B, W] static input
-    hidden: torch.Tensor    # [B, W, H] static output
-
-
-class CanvasGraphs:
-    def __init__(self, model, kv, width: int):
-        self.model, self.kv, self.width = model, kv, width
-        self.captured: dict[tuple[int, int], _Captured] = {}
+class StepGraphs:
+    def __init__(self, device: torch.device):
+        self.device = device
         self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}   # None: warmed up, not captured yet
+        self.inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _run(self, meta: torch.Tensor, tokens: torch.Tensor, kv_len: int) -> torch.Tensor:
-        ctx, positions = device_context(self.kv, meta, self.width, kv_len)
-        with step_context(ctx):
-            return self.model(tokens, positions)
+    def index_inputs(self, key: tuple, idx: list[int], scored: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key's static index tensors, holding `idx` and `scored` (copied without a sync)."""
+        if key not in self.inputs:
+            self.inputs[key] = (torch.zeros(len(idx), dtype=torch.int64, device=self.device),
+                                torch.zeros(len(scored), dtype=torch.int64, device=self.device))
+        static = self.inputs[key]
+        for dst, values in zip(static, (idx, scored)):
+            if values:
+                dst.copy_(torch.tensor(values, dtype=torch.int64, pin_memory=True), non_blocking=True)
+        return static
 
-    def _capture(self, rows: int, kv_len: int) -> _Captured:
-        dev = self.kv.k[0].device if isinstance(self.kv.k, list) else self.kv.k.device
-        # warm-up and capture write their keys into the sink slot: no real slot is touched
-        meta = torch.tensor([[self.kv.num_slots] * rows, [0] * rows, [self.width] * rows, [0] * rows],
-                            dtype=torch.int64, device=dev)
-        tokens = torch.zeros(rows, self.width, dtype=torch.int64, device=dev)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.inference_mode():
-            for _ in range(2):
-                self._run(meta, tokens, kv_len)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), torch.inference_mode():
-            hidden = self._run(meta, tokens, kv_len)
-        return _Captured(graph, meta, tokens, hidden)
-
-    def forward(self, meta_host: torch.Tensor, tokens: torch.Tensor, starts: list[int]) -> torch.Tensor:
-        """meta_host: pinned [4, B] int64; tokens: [B, W] on the device. The returned hidden states
-        are the graph's static output: read them before the next replay."""
-        rows = meta_host.shape[1]
-        kv_len = keys_for(starts, self.width, self.kv.max_len, KEY_BUCKET)
-        key = (rows, kv_len)
-        if key not in self.captured:
-            self.captured[key] = self._capture(rows, kv_len)
-        g = self.captured[key]
-        g.meta.copy_(meta_host, non_blocking=True)
-        g.tokens.copy_(tokens)
-        g.graph.replay()
-        return g.hidden
+    def run(self, key: tuple, step: Callable[[torch.Tensor, torch.Tensor], None], idx: torch.Tensor,
+            scored: torch.Tensor) -> None:
+        if key not in self.graphs:
+            step(idx, scored)
+            self.graphs[key] = None
+            return
+        graph = self.graphs[key]
+        if graph is None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                step(idx, scored)
+            self.graphs[key] = graph
+        graph.replay()

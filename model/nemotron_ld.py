@@ -120,5 +120,11 @@ class NemotronLabsDiffusionModel(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.encoder(ids, positions)
 
+    logit_softcap = None
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's raw logits, in the model's dtype (the sampler reads them once, in fp32)."""
+        return self.diffusion_head(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.diffusion_head(hidden)

@@ -22,17 +22,19 @@ class NewSlot:
 class Command:
     release: tuple[int, ...] = ()      # slots to free before anything else (finished or cancelled)
     admit: tuple[NewSlot, ...] = ()    # slots to prefill in this command's first step
-    max_steps: int = 1                 # forwards at most; the command also returns after any block
+    max_steps: int = 1                 # steps to run (a slot that finishes earlier idles until the end)
 
 
 @dataclass
 class Block:
-    """Tokens one slot emitted in one step (a committed canvas, AR tokens, an accepted draft), each with
-    the scores its request asked for, captured from the distribution it was revealed/sampled from."""
+    """Tokens one slot emitted in one command (committed canvases, AR tokens, accepted drafts, in order),
+    each with the scores its request asked for, captured from the distribution it was revealed/sampled
+    from."""
 
     slot: int
     tokens: list[int]
-    denoising_steps: int = 0                     # denoise forwards this canvas took (0 for AR)
+    denoising_steps: int = 0                     # denoise (or draft) forwards of the canvases committed
+    canvases: int = 0                            # canvases committed (linear speculation: verified drafts)
     logprobs: list[float] | None = None          # sampled-token logprob per token
     ranks: list[int] | None = None
     top_ids: list[list[int]] | None = None       # [token][k]

@@ -44,6 +44,7 @@ def gemma_generate_with_our_draws(ref, prompt: torch.Tensor, seed: torch.Tensor,
     from transformers.models.diffusion_gemma import generation_diffusion_gemma as G
 
     from model.sampling import renoise as RN
+    from model.sampling.noise import gumbel
 
     vocab = ref.config.get_text_config().vocab_size
     canvas = ref.config.canvas_length
@@ -51,7 +52,7 @@ def gemma_generate_with_our_draws(ref, prompt: torch.Tensor, seed: torch.Tensor,
     one = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
 
     def multinomial(probs, num_samples):
-        g = RN.gumbel(seed, one(state["counter"]), probs.shape[0], 0, vocab)[0]
+        g = gumbel(seed, one(state["counter"]), probs.shape[0], 0, vocab)[0]
         return torch.argmax(torch.log(probs) + g, dim=-1, keepdim=True)
 
     def initialize_canvas(self, batch_size, device):

@@ -8,6 +8,7 @@ from model.attention import KVCache, StepContext, step_context
 from model.loader import load_model
 from model.protocol import Command, NewSlot
 from model.runner import Runner
+from model.slots import COMMIT, DENOISE
 from model.sampling import noise
 from model.sampling import reveal as rv
 from model.sampling.params import DecodeParams
@@ -18,45 +19,61 @@ PROMPT = (1, 5, 6, 7, 8)
 SPEC_PROMPTS = ([159] * 8, [1, 547, 258, 547, 258])
 
 
-class RecordingRunner(Runner):
-    """A runner that keeps, per step, the logits and canvas of every denoise and causal (prefill/commit)
-    row, and the canvas scores before and after each denoise step."""
+class StepRecorder:
+    """A runner's observer that keeps, per step, the logits and canvas of every denoise and causal
+    (prefill / commit) row, and the canvas scores before and after each denoise step, in the shape
+    of one trace entry per step kind: denoise rows {slots, logits [R, C, V], before, after, scores_before,
+    scores, n, draws, seeds, lengths}; causal rows {slots, logits [R, V] of the predicting position,
+    seed_token, scores}."""
 
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
+    def __init__(self, runner):
+        self.runner = runner
         self.trace: list[dict] = []
         self.admitted: dict[int, int] = {}   # request seed -> slot
+        self._before = None
+        runner.observer = self
 
-    def _admit(self, new):
-        super()._admit(new)
-        self.admitted[new.seed] = new.slot
+    def _score_state(self, idx):
+        b = self.runner.slots.canvas_scores
+        return dict(lp=b.logprob[idx].clone(), rank=b.rank[idx].clone(), tv=b.top_values[idx].clone(),
+                    ti=b.top_ids[idx].clone())
 
-    def _logits(self, hidden):
-        x = super()._logits(hidden)
-        self._last_logits = x.clone()
-        return x
+    def __call__(self, event, kind, idx, logits=None):
+        t = self.runner.slots
+        if event == "before":
+            for s, seed in zip(idx.tolist(), t.seed[idx].tolist()):
+                self.admitted.setdefault(seed, s)
+            self._before = dict(phase=t.phase[idx].clone(), canvas=t.canvas[idx].clone(), n=t.n[idx].tolist(),
+                                draws=t.draws[idx].tolist(), seeds=t.seed[idx].tolist(),
+                                lengths=t.length[idx].tolist(), scores=self._score_state(idx),
+                                logits=logits.float().clone())
+            return
+        b, slots = self._before, idx.tolist()
+        after, scores = t.canvas[idx].clone(), self._score_state(idx)
+        pick = lambda d, rows: {k: v[rows] for k, v in d.items()}  # noqa: E731
+        if kind == "canvas":
+            rows = [i for i, p in enumerate(b["phase"].tolist()) if p == DENOISE]
+            if rows:
+                self.trace.append(dict(kind="denoise", slots=[slots[i] for i in rows], logits=b["logits"][rows],
+                                       before=b["canvas"][rows], after=after[rows],
+                                       scores_before=pick(b["scores"], rows), scores=pick(scores, rows),
+                                       n=[b["n"][i] for i in rows], draws=[b["draws"][i] for i in rows],
+                                       seeds=[b["seeds"][i] for i in rows], lengths=[b["lengths"][i] for i in rows]))
+            rows = [i for i, p in enumerate(b["phase"].tolist()) if p == COMMIT]
+            position = C - 1
+        else:
+            rows = list(range(len(slots))) if kind == "prefill" else []
+            position = 0
+        if rows:
+            self.trace.append(dict(kind="causal", slots=[slots[i] for i in rows],
+                                   logits=b["logits"][rows, position], seed_token=after[rows, 0],
+                                   scores=pick(scores, rows)))
 
-    def _score_state(self, slots):
-        b = self.canvas_scores
-        return dict(lp=b.logprob[slots].clone(), rank=b.rank[slots].clone(), tv=b.top_values[slots].clone(),
-                    ti=b.top_ids[slots].clone())
 
-    def _denoise(self, slots, hidden, reads, counters):
-        before = self.canvas[slots].clone()
-        draws = [self.slots[s].draws for s in slots]
-        scores_before = self._score_state(slots)
-        super()._denoise(slots, hidden, reads, counters)
-        self.trace.append(dict(kind="denoise", slots=list(slots), logits=self._last_logits,
-                               before=before, after=self.canvas[slots].clone(),
-                               scores_before=scores_before, scores=self._score_state(slots),
-                               n=[self.slots[s].n - 1 for s in slots], draws=draws,
-                               seeds=self.seed[slots].tolist(),
-                               lengths=[self.slots[s].length for s in slots]))
-
-    def _after_causal(self, slots, logits, reads, counters):
-        super()._after_causal(slots, logits, reads, counters)
-        self.trace.append(dict(kind="causal", slots=list(slots), logits=logits.clone(),
-                               seed_token=self.canvas[slots, 0].clone(), scores=self._score_state(slots)))
+def recording_runner(model, **kw):
+    runner = Runner(model, **kw)
+    StepRecorder(runner)
+    return runner
 
 
 def reference_scaled(logits, params: DecodeParams):
@@ -113,7 +130,7 @@ def drive(runner, admits, budget):
 
 @pytest.fixture(scope="module")
 def stepped(model):
-    runner = RecordingRunner(model, num_slots=3, max_model_len=256)
+    runner = recording_runner(model, num_slots=3, max_model_len=256)
     p0 = DecodeParams(max_tokens=64, temperature=0.8, seed=11, logprobs=3, policy="low_confidence",
                       max_denoising_steps=8, ignore_eos=True)
     p1 = DecodeParams(max_tokens=64, temperature=1.0, seed=12, policy="threshold", threshold=0.5,
@@ -122,7 +139,7 @@ def stepped(model):
                       policy="leftmost", max_denoising_steps=8, ignore_eos=True, seed_first_position=False)
     admits = [NewSlot(0, PROMPT, p0, 11), NewSlot(1, PROMPT[:3], p1, 12), NewSlot(2, PROMPT + (9,), p2, 13)]
     blocks = drive(runner, admits, 64)
-    return runner, admits, blocks
+    return runner.observer, admits, blocks
 
 
 def test_scores_written_at_reveal_from_that_steps_distribution(stepped):
@@ -279,7 +296,7 @@ TEMPS = [0.0, 0.5, 2.0]
 @pytest.fixture(scope="module")
 def engine_run(tiny_nemotron, model):
     engine = Engine(tiny_nemotron, num_slots=4, max_model_len=256)
-    runner = RecordingRunner(model, num_slots=4, max_model_len=256)
+    runner = recording_runner(model, num_slots=4, max_model_len=256)
     engine.shards.runner = runner
     ps = [DecodeParams(max_tokens=32, temperature=T, seed=100 + i, logprobs=4, ignore_eos=True)
           for i, T in enumerate(TEMPS)]
@@ -287,7 +304,7 @@ def engine_run(tiny_nemotron, model):
     ps.append(DecodeParams(max_tokens=32, temperature=1.0, seed=200, logprobs=2, ignore_eos=True, top_k=12,
                            policy="entropy_bound", entropy_bound=0.5))
     requests = engine.generate([PROMPT, PROMPT[:2], PROMPT + (11, 12), PROMPT], ps)
-    return engine, runner, requests
+    return engine, runner.observer, requests
 
 
 def replay(runner, slot, params, n_tokens):

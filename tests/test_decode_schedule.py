@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from model.protocol import StepCounters
 from model.sampling.params import DecodeParams
+from model.slots import DENOISE
 from workers.engine import Engine
 
 MASK, EOS, C = 100, 2, 32
@@ -19,23 +20,31 @@ def engine(tiny_nemotron):
 
 
 def run_counted(engine, prompts, params):
-    """generate() plus the counters it added and the number of reveals of every denoise step."""
+    """generate() plus the counters it added and the number of reveals of every denoise step (a list
+    over the step's denoise rows)."""
     runner = engine.shards.runner
     reveals: list[list[int]] = []
-    denoise = type(runner)._denoise
+    before = {}
 
-    def recording(slots, hidden, reads, counters):
-        before = (runner.canvas[slots] == MASK).sum(-1)
-        denoise(runner, slots, hidden, reads, counters)
-        reveals.append((before - (runner.canvas[slots] == MASK).sum(-1)).tolist())
+    def observe(event, kind, idx, logits=None):
+        if kind != "canvas":
+            return
+        t = runner.slots
+        if event == "before":
+            before["denoise"] = t.phase[idx] == DENOISE
+            before["masked"] = (t.canvas[idx] == MASK).sum(-1)
+            return
+        rows = before["denoise"]
+        if rows.any():
+            reveals.append((before["masked"][rows] - (t.canvas[idx][rows] == MASK).sum(-1)).tolist())
 
     start = StepCounters()
     start.add(engine.scheduler.counters)
-    runner._denoise = recording
+    runner.observer = observe
     try:
         requests = engine.generate(prompts, params)
     finally:
-        del runner._denoise
+        runner.observer = None
     delta = StepCounters(**{name: getattr(engine.scheduler.counters, name) - getattr(start, name)
                             for name in StepCounters.__dataclass_fields__})
     return requests, delta, reveals

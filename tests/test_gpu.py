@@ -51,6 +51,71 @@ def test_cuda_engine_alone_equals_in_batch(cuda_engine):
     assert max(abs(a - b) for a, b in zip(together.logprobs, alone.logprobs)) < 0.02
 
 
+def _stats_case(R, P, V, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(R, P, V, generator=gen) * 3).to(dtype).cuda()
+    temp = torch.tensor([0.8, 0.0, 1.2][:R], device="cuda")
+    return x, temp, torch.tensor([7, 2**40 + 1, 3][:R], device="cuda"), torch.tensor([2, 0, 5][:R], device="cuda")
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_sampler_statistics_equal_torch(family, dtype):
+    """Full-size vocabularies: the same tokens (greedy and Gumbel samples), and scores within 1e-3 (bf16
+    logits) / 1e-5 (fp32) of the torch pass."""
+    from model.kernels.vocab_stats import triton_partials
+    from model.parallel.group import TPGroup
+    from model.sampling import stats as S
+
+    if family == "nemotron":
+        x, temp, seed, counter = _stats_case(3, 32, 131072, dtype)
+        x[..., 100] = -torch.inf  # the mask token
+        kw = {}
+    else:
+        x, temp, seed, counter = _stats_case(2, 256, 262144, dtype)
+        kw = dict(softcap=30.0, soft_dtype=torch.bfloat16)
+    a = S.vocab_stats(x, temp, seed, counter, 0, TPGroup(), **kw)
+    b = S.vocab_stats(x, temp, seed, counter, 0, TPGroup(), kernel=triton_partials, **kw)
+    assert torch.equal(a.greedy, b.greedy) and torch.equal(a.sample, b.sample)
+    tol = 1e-3 if dtype == torch.bfloat16 else 1e-5
+    for key in ("lse_u", "lse_s", "entropy_u", "entropy_s", "lse_soft", "x_sample"):
+        assert (getattr(a, key) - getattr(b, key)).abs().max() < tol, key
+    cap = kw.get("softcap")
+    assert (a.logprob_s(a.u_of(a.x_sample, cap)) - b.logprob_s(b.u_of(b.x_sample, cap))).abs().max() < tol
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_no_host_sync_inside_a_command(family, tiny_nemotron, tiny_gemma):
+    """A multi-step command reads nothing on the host until its end (sync-debug mode errors on any
+    synchronising call; the command's one wait is an event's), admissions and releases included."""
+    from model.parallel.group import TPGroup
+    from model.protocol import Command, NewSlot
+    from model.sampling.params import DecodeParams
+    from workers.shard_group import build_runner
+
+    model_dir = tiny_nemotron if family == "nemotron" else tiny_gemma
+    runner = build_runner(str(model_dir), TPGroup(), 4, 256, "bfloat16", "cuda", "safetensors", 8)
+    p = DecodeParams(temperature=0.7, seed=1, max_tokens=96, ignore_eos=True, logprobs=2)
+    q = DecodeParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+    def commands():
+        runner.execute(Command(admit=(NewSlot(0, (1, 5, 6, 7), p, 1), NewSlot(1, (1, 9), q, 2)), max_steps=8))
+        for _ in range(3):
+            runner.execute(Command(max_steps=8))
+        runner.execute(Command(release=(1,), admit=(NewSlot(1, (1, 3, 3), q, 3),), max_steps=8))
+        runner.execute(Command(max_steps=8))
+        runner.execute(Command(release=(0, 1), max_steps=0))
+
+    commands()  # warm-up: first runs of each step's plan are eager, then captured
+    commands()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        commands()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def test_cuda_ar_and_linear_speculation_agree(cuda_engine):
     from model.sampling.params import DecodeParams
 

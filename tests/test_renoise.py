@@ -14,6 +14,8 @@ from transformers.models.diffusion_gemma import generation_diffusion_gemma as G
 
 from model.parallel.group import TPGroup
 from model.sampling import renoise as RN
+from model.sampling.filters import keep_threshold
+from model.sampling.stats import vocab_stats
 
 TP1 = TPGroup()
 
@@ -137,21 +139,23 @@ def test_filters_apply_before_the_temperature_like_reference_processors(monkeypa
     seed, counter = torch.tensor([1, 2]), rows(R, 7, torch.int64)
     extra = Flat(TopKLogitsWarper(5) if kind == "top_k" else TopPLogitsWarper(0.7))
     filt = {"top_k": rows(R, 5, torch.int64), "top_k_max": 5} if kind == "top_k" else {"top_p": rows(R, 0.7)}
+    threshold = keep_threshold(logits, 0, TP1, **filt)   # decided on the softcapped logits, before T
     out = RN.renoise_step(logits, n=rows(R, 1, torch.int64), steps=rows(R, N, torch.int64), t_min=rows(R, 0.4),
                           t_max=rows(R, 0.8), entropy_bound=rows(R, 0.5), stability_threshold=rows(R, 1, torch.int64),
                           confidence_threshold=rows(R, 0.005), seed=seed, counter=counter,
                           prev_argmax=torch.full((R, C), -1), run=torch.zeros(R, dtype=torch.int64),
-                          vocab_start=0, vocab_size=V, tp=TP1, **filt)
+                          vocab_start=0, vocab_size=V, tp=TP1, threshold=threshold)
     ref = Reference(V, C, N, 0.5, 1, 0.005, extra_processors=[extra])
     canvas = torch.zeros(R, C, dtype=torch.int64)
     renoise = RN.random_tokens(seed, counter, C, V)
     (ref_canvas, ref_argmax, sc, _), accepted = ref.step(monkeypatch, 1, canvas, canvas, None,
                                                         torch.zeros(R, dtype=torch.bool), logits, out.sample, renoise)
-    kept = torch.isfinite(out.scaled)
+    kept = logits >= threshold.unsqueeze(-1)
     assert 0 < kept.sum() < kept.numel() and torch.equal(kept, torch.isfinite(sc))  # the same candidates
+    assert torch.equal(kept, out.probs > 0)    # self-conditioning reads only the candidates
     assert torch.equal(out.accepted, accepted) and torch.equal(out.canvas, ref_canvas)
     assert torch.equal(out.argmax, ref_argmax)
-    assert torch.isfinite(torch.gather(out.scaled, -1, out.sample[..., None])).all()  # samples are candidates
+    assert torch.gather(kept, -1, out.sample[..., None]).all()  # samples are candidates
 
 
 def test_convergence_matches_reference_stopping_criteria():
@@ -211,9 +215,11 @@ def test_low_precision_self_conditioning_rounds_logits_like_reference():
     gen = torch.Generator().manual_seed(4)
     scaled = torch.randn(2, 5, 300, generator=gen) * 8
     scaled[0, 0, :100] = -torch.inf
+    ones, zeros = torch.ones(2), torch.zeros(2, dtype=torch.int64)
     for dtype in (torch.float32, torch.bfloat16):
-        entropy, log_norm = RN.softmax_stats(scaled, TP1, dtype)
-        probs = RN.probabilities(scaled, log_norm, dtype)
+        st = vocab_stats(scaled, ones, zeros, zeros, 0, TP1, sampling=False,
+                         soft_dtype=None if dtype == torch.float32 else dtype)
+        entropy, probs = st.entropy_s, RN.probabilities(scaled, st.lse_soft, dtype)
         expected = torch.softmax(scaled.to(dtype), dim=-1, dtype=torch.float32)
         assert torch.allclose(probs, expected, atol=1e-6)
         assert torch.allclose(entropy, torch.distributions.Categorical(logits=scaled).entropy(), atol=1e-5)

@@ -20,10 +20,11 @@ def params(**kw):
 
 def canvas(slot, tokens, steps=4, scores=False):
     """A committed block; scores make token t's logprob -t and rank t so truncation can be checked."""
-    if not scores:
-        return Block(slot, list(tokens), steps)
-    return Block(slot, list(tokens), steps, [-float(t) for t in tokens], list(tokens),
-                 [[t, t + 1] for t in tokens], [[-float(t), -float(t + 1)] for t in tokens])
+    block = Block(slot, list(tokens), denoising_steps=steps, canvases=1)
+    if scores:
+        block.logprobs, block.ranks = [-float(t) for t in tokens], list(tokens)
+        block.top_ids, block.top_logprobs = [[t, t + 1] for t in tokens], [[-float(t), -float(t + 1)] for t in tokens]
+    return block
 
 
 def body(n, start=10):
@@ -165,10 +166,10 @@ def test_max_tokens_17_across_two_canvases():
     s = make()
     req = s.add("r", [1], params(max_tokens=17, logprobs=0))
     run(s)
-    _, (out,) = run(s, Block(0, body(10), 3, [-1.0] * 10, [1] * 10))
+    _, (out,) = run(s, Block(0, body(10), denoising_steps=3, canvases=1, logprobs=[-1.0] * 10, ranks=[1] * 10))
     assert out.new_tokens == body(10) and not out.finished
     assert out.new_top_ids == [[]] * 10  # logprobs=0: no alternatives
-    _, (out,) = run(s, Block(0, body(32, start=100), 5, [-2.0] * 32, [2] * 32))
+    _, (out,) = run(s, Block(0, body(32, start=100), denoising_steps=5, canvases=1, logprobs=[-2.0] * 32, ranks=[2] * 32))
     assert out.new_tokens == body(7, start=100) and out.finish_reason == "length"
     assert out.new_logprobs == [-2.0] * 7 and len(req.ranks) == 17
     assert req.output == body(10) + body(7, start=100)

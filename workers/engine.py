@@ -20,7 +20,7 @@ class Engine:
                  max_queue: int = 256, max_steps_per_command: int = 8, dtype: str | None = None,
                  device: str = "cpu", seed: int = 0, load_format: str = "safetensors"):
         kwargs = dict(num_slots=num_slots, max_model_len=max_model_len, dtype=dtype, device=device,
-                      load_format=load_format)
+                      load_format=load_format, max_steps_per_command=max_steps_per_command)
         self.shards = InProcessShards(str(model_dir), **kwargs) if tp == 1 else \
             ProcessShards(str(model_dir), tp, **kwargs)
         cfg = self.shards.config

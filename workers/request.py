@@ -80,7 +80,7 @@ class Request:
             reason = "length"
         self.output += tokens
         self.denoising_steps += block.denoising_steps
-        self.canvases += block.denoising_steps > 0
+        self.canvases += block.canvases
         if n:
             self.block_times.append(time.monotonic())
             self.first_token_time = self.first_token_time or self.block_times[0]

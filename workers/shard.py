@@ -49,7 +49,7 @@ class ShardWorker:
             tp = TPGroup.from_default_group()
         a = self.args
         self.runner = build_runner(a["model_dir"], tp, a["num_slots"], a["max_model_len"], a["dtype"],
-                                   self.device, a["load_format"])
+                                   self.device, a["load_format"], a["max_steps_per_command"])
         return True
 
     def execute(self, cmd: Command) -> Events | None:

@@ -27,18 +27,29 @@ class ShardFailure(RuntimeError):
 
 
 def build_runner(model_dir: str, tp: TPGroup, num_slots: int, max_model_len: int, dtype, device: str,
-                 load_format: str = "safetensors") -> Runner:
+                 load_format: str = "safetensors", max_steps_per_command: int = 64) -> Runner:
     model = load_model(model_dir, tp, dtype=dtype, device=device, load_format=load_format)
     renoise = None
     if model.config.family == "diffusion-gemma":
         renoise = RenoiseDefaults.from_generation(load_generation_defaults(model_dir))
-    return Runner(model, num_slots=num_slots, max_model_len=max_model_len, device=device, renoise_defaults=renoise)
+    return Runner(model, num_slots=num_slots, max_model_len=max_model_len, device=device, renoise_defaults=renoise,
+                  max_steps_per_command=max_steps_per_command, sampler_kernel=sampler_kernel(device))
+
+
+def sampler_kernel(device: str):
+    """The triton pass of the sampler statistics on CUDA (torch's elsewhere)."""
+    if not str(device).startswith("cuda"):
+        return None
+    from model.kernels.vocab_stats import triton_partials
+
+    return triton_partials
 
 
 class InProcessShards:
     def __init__(self, model_dir: str, *, num_slots: int, max_model_len: int, dtype=None, device: str = "cpu",
-                 load_format: str = "safetensors"):
-        self.runner = build_runner(model_dir, TPGroup(), num_slots, max_model_len, dtype, device, load_format)
+                 load_format: str = "safetensors", max_steps_per_command: int = 64):
+        self.runner = build_runner(model_dir, TPGroup(), num_slots, max_model_len, dtype, device, load_format,
+                                   max_steps_per_command)
         self.config = self.runner.model.config
 
     def execute(self, cmd: Command) -> Events:
@@ -56,7 +67,8 @@ def _rank_main(rank: int, world: int, init_file: str, args: dict, commands, answ
                                              world_size=world)
         torch.set_num_threads(1)
         runner = build_runner(args["model_dir"], TPGroup.from_default_group(), args["num_slots"],
-                              args["max_model_len"], args["dtype"], device, args["load_format"])
+                              args["max_model_len"], args["dtype"], device, args["load_format"],
+                              args["max_steps_per_command"])
         answers.put(("ready", rank))
         while True:
             cmd = commands.get()
@@ -74,7 +86,8 @@ def _rank_main(rank: int, world: int, init_file: str, args: dict, commands, answ
 
 class ProcessShards:
     def __init__(self, model_dir: str, tp: int, *, num_slots: int, max_model_len: int, dtype=None,
-                 device: str = "cpu", load_format: str = "safetensors", timeout_s: float = 120.0):
+                 device: str = "cpu", load_format: str = "safetensors", max_steps_per_command: int = 64,
+                 timeout_s: float = 120.0):
         ctx = mp.get_context("spawn")
         self.timeout_s = timeout_s
         self._dir = tempfile.mkdtemp(prefix="dllm-tp-")
@@ -82,7 +95,7 @@ class ProcessShards:
         self.commands = [ctx.Queue() for _ in range(tp)]
         self.answers = ctx.Queue()
         args = dict(model_dir=str(model_dir), num_slots=num_slots, max_model_len=max_model_len, dtype=dtype,
-                    device=device, load_format=load_format)
+                    device=device, load_format=load_format, max_steps_per_command=max_steps_per_command)
         self.procs = [ctx.Process(target=_rank_main, args=(r, tp, init_file, args, self.commands[r], self.answers),
                                   daemon=True) for r in range(tp)]
         for p in self.procs:

@@ -59,18 +59,27 @@ def _mass_at_least(probs: torch.Tensor, scaled: torch.Tensor, t: torch.Tensor, t
                          .sum(-1, dtype=torch.float64))
 
 
+def keep_threshold(base: torch.Tensor, vocab_start: int, tp: TPGroup, top_k: torch.Tensor | None = None,
+                   top_k_max: int = 0, top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """base [R, ..., Vr] (the values filters are decided on) -> [R, ...]: the smallest value a row keeps
+    (-inf: no filter); top_k / top_p [R] (None when no row uses them: work nobody asked for is skipped)."""
+    threshold = torch.full(base.shape[:-1], -torch.inf, device=base.device)
+    if top_k is not None:
+        threshold = top_k_threshold(base, top_k, top_k_max, vocab_start, tp)
+    if top_p is not None:
+        kept = torch.where(base >= threshold.unsqueeze(-1), base, -torch.inf)
+        # top_p = 1 keeps everything, even where fp32 masses of a top set already sum to 1
+        p_threshold = torch.where(_rows(top_p >= 1, threshold), -torch.inf, top_p_threshold(kept, top_p, tp))
+        threshold = torch.maximum(threshold, p_threshold)
+    return threshold
+
+
 def scale_and_filter(logits: torch.Tensor, temperature: torch.Tensor, vocab_start: int, tp: TPGroup,
                      top_k: torch.Tensor | None = None, top_k_max: int = 0, top_p: torch.Tensor | None = None):
-    """logits: [R, ..., Vr] fp32; temperature/top_k/top_p: [R] (top_k / top_p None when no row uses
-    them: work nobody asked for is skipped). Returns (unscaled, scaled), both filtered."""
+    """logits: [R, ..., Vr] fp32; temperature/top_k/top_p: [R]. Returns (unscaled, scaled), both filtered
+    (the dense statement of SPEC.md 3.2 that the sampler's thresholds implement)."""
     scaled = logits / _rows(torch.where(temperature > 0, temperature, 1.0), logits)
     if top_k is None and top_p is None:
         return logits, scaled
-    keep = torch.ones_like(scaled, dtype=torch.bool)
-    if top_k is not None:
-        keep &= scaled >= top_k_threshold(scaled, top_k, top_k_max, vocab_start, tp).unsqueeze(-1)
-    if top_p is not None:
-        kept = torch.where(keep, scaled, -torch.inf)
-        # top_p = 1 keeps everything, even where fp32 masses of a top set already sum to 1
-        keep &= (scaled >= top_p_threshold(kept, top_p, tp).unsqueeze(-1)) | _rows(top_p >= 1, scaled)
+    keep = scaled >= keep_threshold(scaled, vocab_start, tp, top_k, top_k_max, top_p).unsqueeze(-1)
     return torch.where(keep, logits, -torch.inf), torch.where(keep, scaled, -torch.inf)

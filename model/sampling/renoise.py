@@ -1,8 +1,8 @@
 """Uniform-noise diffusion with self-conditioning: DiffusionGemma's sampler (SPEC.md 4), on
 vocabulary-sharded logits, following transformers' generation_diffusion_gemma.py.
 
-Per denoise step n of N, for R rows of [C] canvas positions (logits already softcapped by the model):
-    scaled    = filter(logits) / T,  T = t_min + (t_max - t_min) * max(N - n, 1) / N
+Per denoise step n of N, for R rows of [C] canvas positions (u: the softcapped logits):
+    scaled    = filter(u) / T,  T = t_min + (t_max - t_min) * max(N - n, 1) / N
     sample    = argmax(scaled + Gumbel)                         (the request's own counter-based noise)
     argmax    = argmax(scaled)
     H         = entropy(softmax(scaled)) per position
@@ -10,8 +10,9 @@ Per denoise step n of N, for R rows of [C] canvas positions (logits already soft
     canvas'   = accepted ? sample : uniform random token over the whole vocabulary
     converged = (argmax unchanged over stability_threshold + 1 steps and mean(H) < confidence) or n + 1 >= N
     soft'     = softmax(scaled) @ W_embed * sqrt(hidden)        (next step's self-conditioning input)
-The commit feeds and emits the argmax canvas. Every rank computes the same decisions from all-reduced
-statistics and identical noise; nothing here reads a device value on the host.
+The commit feeds and emits the argmax canvas. The statistics (max, sums, entropy, both argmaxes) come
+from one pass over each rank's slice (model.sampling.stats); every rank computes the same decisions
+from their all-reduced combination and identical noise; nothing here reads a device value on the host.
 """
 from __future__ import annotations
 
@@ -19,10 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from model.parallel import reductions as R
 from model.parallel.group import TPGroup
-from model.sampling.filters import scale_and_filter
-from model.sampling.noise import STREAM_RENOISE, gumbel, uniform
+from model.sampling.noise import STREAM_RENOISE, uniform
+from model.sampling.stats import VocabStats, unscaled, vocab_stats
 
 
 def temperature(n: torch.Tensor, steps: torch.Tensor, t_min: torch.Tensor, t_max: torch.Tensor) -> torch.Tensor:
@@ -32,17 +32,6 @@ def temperature(n: torch.Tensor, steps: torch.Tensor, t_min: torch.Tensor, t_max
     return t_min + (t_max - t_min) * remaining / steps.to(torch.float32)
 
 
-def filter_and_scale(logits: torch.Tensor, temp: torch.Tensor, vocab_start: int, tp: TPGroup,
-                     top_k: torch.Tensor | None = None, top_k_max: int = 0,
-                     top_p: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [R, C, V_r] (softcapped) -> filter(logits) / T. Top-k / top-p act on the softcapped logits
-    before the temperature, the order of transformers' logits processors (user ones run first)."""
-    if top_k is not None or top_p is not None:
-        ones = torch.ones_like(temp)
-        logits, _ = scale_and_filter(logits, ones, vocab_start, tp, top_k=top_k, top_k_max=top_k_max, top_p=top_p)
-    return logits / temp.view(-1, 1, 1)
-
-
 def random_tokens(seed: torch.Tensor, counter: torch.Tensor, positions: int, vocab_size: int) -> torch.Tensor:
     """[R, positions] uniform over the whole vocabulary: a canvas's initial tokens and its renoise.
     One counter-based uniform per position (STREAM_RENOISE), identical on every rank."""
@@ -50,29 +39,12 @@ def random_tokens(seed: torch.Tensor, counter: torch.Tensor, positions: int, voc
     return torch.clamp((u * vocab_size).to(torch.int64), max=vocab_size - 1)
 
 
-def softmax_stats(scaled: torch.Tensor, tp: TPGroup, soft_dtype: torch.dtype = torch.float32):
-    """scaled [R, C, V_r] -> (entropy [R, C], log_norm [R, C]) with two all-reduces (max; then Z, A and,
-    for a low-precision model, Z of the rounded logits, stacked). log_norm normalises the probabilities
-    of self-conditioning, which transformers takes from the logits rounded to the embedding dtype."""
-    m = R.global_max(scaled, tp)
-    m = torch.where(torch.isfinite(m), m, 0)
-    shifted = scaled - m.unsqueeze(-1)
-    e = torch.exp(shifted)
-    parts = [e.sum(dim=-1), torch.where(e > 0, e * shifted, 0).sum(dim=-1)]
-    rounded = soft_dtype != torch.float32
-    if rounded:  # rounding is monotone, so the rounded logits' maximum is the rounded maximum
-        m_soft = m.to(soft_dtype).float()
-        parts.append(torch.exp(scaled.to(soft_dtype).float() - m_soft.unsqueeze(-1)).sum(dim=-1))
-    sums = tp.all_reduce(torch.stack(parts))
-    z, a = sums[0], sums[1]
-    log_norm = m_soft + torch.log(sums[2]) if rounded else m + torch.log(z)
-    return torch.log(z) - a / z, log_norm
-
-
 def probabilities(scaled: torch.Tensor, log_norm: torch.Tensor,
-                  soft_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """This rank's slice [R, C, V_r] of the globally normalised softmax(scaled), fp32."""
-    if soft_dtype != torch.float32:
+                  soft_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """This rank's slice [R, C, V_r] of the globally normalised softmax(scaled), fp32, from the logits
+    rounded to `soft_dtype` first (transformers rounds them to the embedding dtype); log_norm [R, C] is
+    the matching log-normaliser (VocabStats.lse_soft)."""
+    if soft_dtype is not None and soft_dtype != torch.float32:
         scaled = scaled.to(soft_dtype).float()
     return torch.exp(scaled - log_norm.unsqueeze(-1))
 
@@ -112,8 +84,8 @@ class RenoiseStep:
     canvas: torch.Tensor       # [R, C] int64: the next step's input canvas
     sample: torch.Tensor       # [R, C] int64: the Gumbel-max sample at T (kept where accepted)
     argmax: torch.Tensor       # [R, C] int64: what a commit feeds and emits
-    scaled: torch.Tensor       # [R, C, V_r]: filter(logits) / T, the distribution of logprobs
-    probs: torch.Tensor        # [R, C, V_r] fp32: this rank's slice of softmax(scaled) for self-conditioning
+    stats: VocabStats          # the distribution of logprobs (s = filtered u / T)
+    probs: torch.Tensor        # [R, C, V_r] fp32: this rank's slice of softmax(s) for self-conditioning
     entropy: torch.Tensor      # [R, C]
     accepted: torch.Tensor     # [R, C] bool
     run: torch.Tensor          # [R] the stability run counter to keep
@@ -124,23 +96,25 @@ def renoise_step(logits: torch.Tensor, *, n: torch.Tensor, steps: torch.Tensor, 
                  t_max: torch.Tensor, entropy_bound: torch.Tensor, stability_threshold: torch.Tensor,
                  confidence_threshold: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor,
                  prev_argmax: torch.Tensor, run: torch.Tensor, vocab_start: int, vocab_size: int, tp: TPGroup,
-                 top_k: torch.Tensor | None = None, top_k_max: int = 0, top_p: torch.Tensor | None = None,
-                 soft_dtype: torch.dtype = torch.float32) -> RenoiseStep:
-    """One denoise step's sampler for R rows. logits [R, C, V_r] fp32, softcapped; every other tensor
-    [R] (prev_argmax [R, C]). `counter` is each row's draw counter for this step (one value covers the
-    Gumbel and the renoise streams); `soft_dtype` the embedding dtype (self-conditioning rounding)."""
+                 threshold: torch.Tensor | None = None, soft_dtype: torch.dtype | None = None,
+                 softcap: float | None = None, kernel=None) -> RenoiseStep:
+    """One denoise step's sampler for R rows. logits [R, C, V_r]: this rank's raw LM-head output, softcapped
+    here with `softcap` (None: already softcapped); every other tensor [R] (prev_argmax [R, C]).
+    `counter` is each row's draw counter for this step (one value covers the Gumbel and the renoise
+    streams); `threshold` [R, C] the filters' smallest kept softcapped logit (None: no filter);
+    `soft_dtype` the embedding dtype (self-conditioning rounding)."""
     temp = temperature(n, steps, t_min, t_max)
-    scaled = filter_and_scale(logits, temp, vocab_start, tp, top_k, top_k_max, top_p)
-    positions = scaled.shape[1]
-    g = gumbel(seed, counter, positions, vocab_start, scaled.shape[-1])
-    # filtered (-inf) entries stay -inf whatever the noise
-    sample = R.argmax(torch.where(torch.isfinite(scaled), scaled + g, scaled), vocab_start, tp)
-    argmax = R.argmax(scaled, vocab_start, tp)
-    entropy, log_norm = softmax_stats(scaled, tp, soft_dtype)
-    accepted = entropy_bound_accept(entropy, entropy_bound)
-    canvas = torch.where(accepted, sample, random_tokens(seed, counter, positions, vocab_size))
-    run, converged = convergence(argmax, prev_argmax, run, entropy, n, steps, stability_threshold,
+    st = vocab_stats(logits, temp, seed, counter, vocab_start, tp, softcap=softcap, threshold=threshold,
+                     threshold_on_scaled=False, soft_dtype=soft_dtype, kernel=kernel)
+    positions = logits.shape[1]
+    accepted = entropy_bound_accept(st.entropy_s, entropy_bound)
+    canvas = torch.where(accepted, st.sample, random_tokens(seed, counter, positions, vocab_size))
+    run, converged = convergence(st.greedy, prev_argmax, run, st.entropy_s, n, steps, stability_threshold,
                                  confidence_threshold)
-    return RenoiseStep(canvas=canvas, sample=sample, argmax=argmax, scaled=scaled,
-                       probs=probabilities(scaled, log_norm, soft_dtype), entropy=entropy, accepted=accepted,
-                       run=run, converged=converged)
+    u = unscaled(logits, softcap)
+    scaled = u / temp.view(-1, 1, 1)
+    if threshold is not None:
+        scaled = torch.where(u >= threshold.unsqueeze(-1), scaled, -torch.inf)
+    return RenoiseStep(canvas=canvas, sample=st.sample, argmax=st.greedy, stats=st,
+                       probs=probabilities(scaled, st.lse_soft, soft_dtype), entropy=st.entropy_s,
+                       accepted=accepted, run=run, converged=converged)

@@ -1,0 +1,263 @@
+"""The GPU roofline benchmark (`make bench` on the GPU host): every ratio of the README's speed table
+from ONE run on one GPU, dummy weights in bf16.
+
+  P1  bare per-forward time / weight-read floor at batch 1: Nemotron-LD 8B (canvas 32) and
+      DiffusionGemma 26B-A4B (canvas 256). The floor is the bytes one forward must read (every weight
+      once; of an untied input embedding only its rows) over the copy bandwidth measured in this run.
+  P2  served (HTTP -> Coordinator -> ShardWorker) denoising-step rate / the bare runner's, 8B, batch 1
+  P3  our committed tok/s / transformers' DiffusionGemmaForBlockDiffusion.generate on the 26B-A4B shape,
+      batch 1, canvas 256, 16 forced steps, 1024-token prompt, 256 and 768 new tokens
+  P4  committed tok/s at 16 concurrent requests / at 1 (8B, canvas 32)
+  SC  DiffusionGemma step time with self-conditioning / without (TP = 1)
+plus torch.profiler's top kernels of a step of each family.
+
+    python3 -m benchmarks.roofline [--out result.json] [--skip served,transformers,profile]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.shapes import NEMOTRON_LD_8B, write_diffusion_gemma_shapes, write_shapes
+from model.loader import load_model
+from model.protocol import Command, NewSlot
+from model.runner import Runner
+from model.sampling.params import DecodeParams
+from workers.shard_group import build_runner
+
+STEPS_PER_COMMAND = 32
+
+
+# ---- measurements --------------------------------------------------------------------------------
+
+def copy_bandwidth() -> float:
+    """bytes/s of a device-to-device copy, counting bytes read plus written (median of 10)."""
+    x = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(13):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del x, y
+    return 2 * (1 << 30) * 2 / sorted(times[3:])[5]
+
+
+def floor_bytes(model) -> int:
+    """Bytes one forward must read: every parameter, except an untied input embedding table (only the
+    rows of the step's tokens are read)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.config.family == "nemotron-ld":
+        total -= model.encoder.embed_tokens.weight.numel() * model.encoder.embed_tokens.weight.element_size()
+    return total
+
+
+def run_requests(runner: Runner, prompts: list[list[int]], params: DecodeParams) -> dict:
+    """Admits one slot per prompt and runs commands until every request emitted max_tokens. Times every
+    command separately (synchronised), so the steady state (commands after the first, which holds the
+    prefill) is reported apart from the whole."""
+    n = len(prompts)
+    cmd = Command(admit=tuple(NewSlot(i, tuple(p), params, i) for i, p in enumerate(prompts)),
+                  max_steps=STEPS_PER_COMMAND)
+    emitted, walls, steps, denoising = [0] * n, [], [], 0
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while min(emitted) < params.max_tokens:
+        t = time.perf_counter()
+        events = runner.execute(cmd)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t)
+        steps.append(events.steps)
+        denoising += events.counters.denoising_steps
+        for b in events.blocks:
+            emitted[b.slot] += len(b.tokens)
+        cmd = Command(max_steps=STEPS_PER_COMMAND)
+    wall = time.perf_counter() - start
+    runner.execute(Command(release=tuple(range(n)), max_steps=0))
+    tokens = sum(min(e, params.max_tokens) for e in emitted)
+    return {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall, "denoising_steps": denoising,
+            "denoising_steps_per_s": denoising / wall, "steps": sum(steps),
+            "steady_step_s": sum(walls[1:]) / max(sum(steps[1:]), 1)}
+
+
+def timed(runner: Runner, prompts, params) -> dict:
+    run_requests(runner, prompts, params)    # warm-up: captures every graph the timed run replays
+    return run_requests(runner, prompts, params)
+
+
+def profile_step(runner: Runner, prompt: list[int], params: DecodeParams, top: int = 12) -> list[dict]:
+    """The top kernels (CUDA time) of one command of 4 steps, eager (so each kernel is its own event)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, runner.graphs = runner.graphs, None
+    runner.execute(Command(admit=(NewSlot(0, tuple(prompt), params, 0),), max_steps=2))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.execute(Command(max_steps=4))
+        torch.cuda.synchronize()
+    runner.execute(Command(release=(0,), max_steps=0))
+    runner.graphs = graphs
+    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:top]
+    total = sum(e.device_time_total for e in prof.key_averages())
+    return [{"kernel": e.key[:90], "cuda_ms": e.device_time_total / 1e3 / 4, "share": e.device_time_total / total}
+            for e in rows]
+
+
+def release(*objs) -> None:
+    for o in objs:
+        del o
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ---- the two families ------------------------------------------------------------------------------
+
+def nemotron(work: Path, bandwidth: float, result: dict, skip: set[str]) -> None:
+    model_dir = write_shapes(work / "nemotron-ld-8b")
+    canvases = 8
+    params = DecodeParams(temperature=0, max_tokens=32 * canvases, ignore_eos=True, policy="low_confidence",
+                          max_denoising_steps=32, seed_first_position=False)
+    prompt = [1] + list(range(1000, 1015))
+    runner = build_runner(str(model_dir), _tp1(), 16, 1024, "bfloat16", "cuda", "dummy", STEPS_PER_COMMAND)
+    floor_s = floor_bytes(runner.model) / bandwidth
+    one = timed(runner, [prompt], params)
+    many = timed(runner, [prompt[:-1] + [2000 + i] for i in range(16)], params)
+    result["nemotron_8b"] = {"floor_bytes": floor_bytes(runner.model), "floor_s": floor_s, "batch1": one,
+                             "batch16": many}
+    result["P1_nemotron"] = one["steady_step_s"] / floor_s
+    result["P4"] = many["tok_per_s"] / one["tok_per_s"]
+    if "profile" not in skip:
+        result["nemotron_8b"]["profile"] = profile_step(runner, prompt, params)
+    release(runner)
+    if "served" not in skip:
+        served = served_rate(model_dir, prompt, params)
+        result["nemotron_8b"]["served"] = served
+        result["P2"] = served["denoising_steps_per_s"] / one["denoising_steps_per_s"]
+
+
+def served_rate(model_dir: Path, prompt: list[int], params: DecodeParams) -> dict:
+    import openai
+    from ray import serve
+
+    from deployments.app import build_app
+    from tests.serve_harness import start_serve, stop_serve
+
+    port = start_serve()
+    try:
+        serve.run(build_app({"model": str(model_dir), "served_model_name": "bench", "device": "cuda",
+                             "dtype": "bfloat16", "load_format": "dummy", "max_num_seqs": 16,
+                             "max_model_len": 1024, "max_steps_per_command": STEPS_PER_COMMAND}),
+                  name="bench", route_prefix="/")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600)
+        body = dict(model="bench", prompt=prompt, max_tokens=params.max_tokens, temperature=0,
+                    extra_body={"ignore_eos": True, "diffusion": {
+                        "policy": "low_confidence", "max_denoising_steps": 32, "seed_first_position": False}})
+        client.completions.create(**body)  # warm-up (shard start, graph captures)
+        t = time.perf_counter()
+        r = client.completions.create(**body)
+        wall = time.perf_counter() - t
+        steps = r.usage.model_extra["diffusion"]["denoising_steps"]
+    finally:
+        stop_serve()
+    return {"wall_s": wall, "denoising_steps": steps, "denoising_steps_per_s": steps / wall}
+
+
+def diffusion_gemma(work: Path, bandwidth: float, result: dict, skip: set[str]) -> None:
+    model_dir = write_diffusion_gemma_shapes(work / "diffusion-gemma-26b-a4b")
+    gen = torch.Generator().manual_seed(0)
+    prompt = [2] + torch.randint(10, 262144, (1023,), generator=gen).tolist()
+    fixed = dict(seed=1, ignore_eos=True, max_denoising_steps=16, confidence_threshold=0.0)
+    runner = build_runner(str(model_dir), _tp1(), 1, 2048, "bfloat16", "cuda", "dummy", STEPS_PER_COMMAND)
+    floor_s = floor_bytes(runner.model) / bandwidth
+    ours = {n: timed(runner, [prompt], DecodeParams(max_tokens=n, **fixed)) for n in (256, 768)}
+    runner.renoise.self_conditioning = False
+    without = timed(runner, [prompt], DecodeParams(max_tokens=768, **fixed))
+    runner.renoise.self_conditioning = True
+    result["diffusion_gemma_26b"] = {"floor_bytes": floor_bytes(runner.model), "floor_s": floor_s, "ours": ours,
+                                     "without_self_conditioning": without}
+    result["P1_diffusion_gemma"] = ours[768]["steady_step_s"] / floor_s
+    result["SC"] = ours[768]["steady_step_s"] / without["steady_step_s"]
+    if "profile" not in skip:
+        result["diffusion_gemma_26b"]["profile"] = profile_step(runner, prompt, DecodeParams(max_tokens=768, **fixed))
+    release(runner)
+    if "transformers" not in skip:
+        reference = transformers_generate(model_dir, prompt, fixed)
+        result["diffusion_gemma_26b"]["transformers"] = reference
+        result["P3"] = {n: ours[n]["tok_per_s"] / reference[n]["tok_per_s"] for n in (256, 768)}
+
+
+def transformers_generate(model_dir: Path, prompt: list[int], fixed: dict) -> dict:
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    cfg = DiffusionGemmaConfig.from_pretrained(model_dir)
+    with torch.device("cuda"):
+        model = DiffusionGemmaForBlockDiffusion._from_config(cfg, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([prompt], device="cuda")
+    out = {}
+    with torch.no_grad():
+        for n in (256, 256, 768):   # the first 256 warms up
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            seq = model.generate(ids, max_new_tokens=n, max_denoising_steps=fixed["max_denoising_steps"],
+                                 confidence_threshold=0.0, eos_token_id=None, pad_token_id=None)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+            seq = getattr(seq, "sequences", seq)
+            out[n] = {"wall_s": wall, "tokens": seq.shape[1] - len(prompt), "tok_per_s": (seq.shape[1] - len(prompt)) / wall}
+    release(model)
+    return out
+
+
+def _tp1():
+    from model.parallel.group import TPGroup
+
+    return TPGroup()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "roofline.json")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/dllm-bench"))
+    parser.add_argument("--skip", default="", help="comma list of: served, transformers, profile, nemotron, gemma")
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    bandwidth = copy_bandwidth()
+    result["copy_bandwidth_bytes_per_s"] = bandwidth
+    for name, fn in (("nemotron", nemotron), ("gemma", diffusion_gemma)):
+        if name not in skip:
+            t = time.perf_counter()
+            fn(args.work, bandwidth, result, skip)
+            result[f"{name}_bench_s"] = time.perf_counter() - t
+            args.out.write_text(json.dumps(result, indent=2, default=str))
+    print(json.dumps(result, indent=2, default=str))
+    print(summary(result))
+    args.out.write_text(json.dumps(result, indent=2, default=str))
+
+
+def summary(r: dict) -> str:
+    rows = [("P1 Nemotron-LD 8B: per-forward / weight-read floor", r.get("P1_nemotron"), "<= 1.11"),
+            ("P1 DiffusionGemma 26B-A4B: per-forward / floor", r.get("P1_diffusion_gemma"), "<= 1.11"),
+            ("P2 served / bare step rate", r.get("P2"), ">= 0.95"),
+            ("P3 ours / transformers generate, 256 new", (r.get("P3") or {}).get(256), ">= 8"),
+            ("P3 ours / transformers generate, 768 new", (r.get("P3") or {}).get(768), ">= 8"),
+            ("P4 tok/s 16 concurrent / 1", r.get("P4"), ">= 8"),
+            ("SC self-conditioning on / off step time", r.get("SC"), "<= 1.03")]
+    lines = [f"{'ratio':58} {'measured':>9}  target"]
+    lines += [f"{name:58} {value:9.3f}  {target}" if value is not None else f"{name:58} {'-':>9}  {target}"
+              for name, value, target in rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The sampler statistics' pass over the vocabulary in triton (CUDA): model.sampling.stats' partials in
+one read of each rank's logits slice.
+
+One program per (position, split of the vocabulary slice) streams its split in BLOCK-wide tiles and
+keeps, online (rescaled as its maximum grows): the greedy and Gumbel maxima as order-preserving int64
+keys, and the five sums of exponentials (softmax normalisers and entropy numerators of u and of
+s = u / T, and of s rounded to the embedding dtype) relative to its own maximum. The raw logits are
+read in their own dtype; the softcap, the filter threshold, the temperature and the counter-based
+Gumbel noise (the same hash as model.sampling.noise, bit for bit) are applied in registers. The
+number of splits depends only on the slice width, never on the batch, so a row's statistics do not
+depend on its neighbours. model.sampling.stats.combine merges splits and ranks.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from model.sampling.noise import STREAM_GUMBEL
+from model.sampling.stats import NUM_SUMS
+
+BLOCK = 2048
+SPLIT = 16384          # vocabulary entries per program: 8 splits of a 131072 slice
+_ROUNDED = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@triton.jit
+def _fmix32(h):
+    h ^= h >> 16
+    h = h * 0x85EBCA6B
+    h ^= h >> 13
+    h = h * 0xC2B2AE35
+    h ^= h >> 16
+    return h
+
+
+@triton.jit
+def _tanh(y):
+    """tanh in fp32 to a few ulps (no libdevice: the same code runs in triton's CPU interpreter):
+    its odd Taylor polynomial near 0, (1 - e^-2|y|) / (1 + e^-2|y|) elsewhere."""
+    a = tl.abs(y)
+    y2 = y * y
+    near = y * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0))))
+    e = tl.exp(-2.0 * a)
+    far = (1.0 - e) / (1.0 + e)
+    return tl.where(a < 0.0625, near, tl.where(y < 0, -far, far))
+
+
+@triton.jit
+def _keys(values, ids):
+    bits = values.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - ids)
+
+
+@triton.jit
+def _round(v, ROUNDED: tl.constexpr):
+    """v rounded to the embedding dtype (to nearest, ties to even, as torch's casts), back in fp32."""
+    if ROUNDED == 1:  # bf16 by integer rounding of the fp32 bits: exact, here and in the interpreter
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        v = bits.to(tl.float32, bitcast=True)
+    elif ROUNDED == 2:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _vocab_stats_kernel(x_ptr, temp_ptr, seed_ptr, counter_ptr, thr_ptr, keys_ptr, sums_ptr,
+                        P, V, vocab_start, splits, n_total, softcap,
+                        STREAM: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_THR: tl.constexpr,
+                        THR_ON_SCALED: tl.constexpr, SAMPLING: tl.constexpr, ROUNDED: tl.constexpr,
+                        SPLIT_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    n = tl.program_id(0)
+    split = tl.program_id(1)
+    row = n // P
+    pos = n % P
+    temp = tl.load(temp_ptr + row)
+    t_eff = tl.where(temp > 0, temp, 1.0)
+    if HAS_THR:
+        thr = tl.load(thr_ptr + n)
+    if SAMPLING:
+        seed = tl.load(seed_ptr + row)
+        counter = tl.load(counter_ptr + row)
+        k = _fmix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ ((STREAM * 0x9E3779B9) & 0xFFFFFFFF))
+        k = _fmix32(k ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+        k = _fmix32(k ^ (counter & 0xFFFFFFFF).to(tl.uint32))
+        h_pos = _fmix32(k ^ pos.to(tl.uint32))
+    row_ptr = x_ptr + n.to(tl.int64) * V
+    start = split * SPLIT_SIZE
+    m = -float("inf")
+    z_u = 0.0
+    a_u = 0.0
+    z_s = 0.0
+    a_s = 0.0
+    z_r = 0.0
+    greedy = tl.full((), -9223372036854775807 - 1, tl.int64)
+    sample = tl.full((), -9223372036854775807 - 1, tl.int64)
+    for off in range(0, SPLIT_SIZE, BLOCK_SIZE):
+        cols = start + off + tl.arange(0, BLOCK_SIZE)
+        inside = cols < V
+        u = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
+        if HAS_SOFTCAP:
+            u = tl.where(inside, _tanh(u / softcap) * softcap, u)
+        s = u / t_eff
+        if HAS_THR:
+            if THR_ON_SCALED:
+                keep = s >= thr
+            else:
+                keep = u >= thr
+            u = tl.where(keep, u, -float("inf"))
+            s = tl.where(keep, s, -float("inf"))
+        ids = (vocab_start + cols).to(tl.int64)
+        greedy = tl.maximum(greedy, tl.max(_keys(u, ids), axis=0))
+        if SAMPLING:
+            h = _fmix32(h_pos ^ _fmix32(ids.to(tl.uint32)))
+            unif = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+            noisy = tl.where(s > -float("inf"), s - tl.log(-tl.log(unif)), s)
+            sample = tl.maximum(sample, tl.max(_keys(noisy, ids), axis=0))
+        new_m = tl.maximum(m, tl.max(u, axis=0))
+        old_safe = tl.where(m == -float("inf"), 0.0, m)
+        new_safe = tl.where(new_m == -float("inf"), 0.0, new_m)
+        # rescale what the earlier tiles summed to the new maximum
+        d = old_safe - new_safe
+        alpha = tl.exp(d)
+        a_u = alpha * (a_u + z_u * d)
+        z_u = alpha * z_u
+        ms_old = old_safe / t_eff
+        ms_new = new_safe / t_eff
+        ds = ms_old - ms_new
+        alpha_s = tl.exp(ds)
+        a_s = alpha_s * (a_s + z_s * ds)
+        z_s = alpha_s * z_s
+        r_new = _round(ms_new, ROUNDED)
+        z_r = tl.exp(_round(ms_old, ROUNDED) - r_new) * z_r
+        du = u - new_safe
+        eu = tl.exp(du)
+        z_u += tl.sum(eu, axis=0)
+        a_u += tl.sum(tl.where(eu > 0, eu * du, 0.0), axis=0)
+        dsv = s - ms_new
+        es = tl.exp(dsv)
+        z_s += tl.sum(es, axis=0)
+        a_s += tl.sum(tl.where(es > 0, es * dsv, 0.0), axis=0)
+        if ROUNDED != 0:
+            z_r += tl.sum(tl.exp(_round(s, ROUNDED) - r_new), axis=0)
+        m = new_m
+    if ROUNDED == 0:
+        z_r = z_s
+    if SAMPLING:
+        sample = tl.where(temp > 0, sample, greedy)
+    else:
+        sample = greedy
+    out = n * splits + split
+    tl.store(keys_ptr + out, greedy)
+    tl.store(keys_ptr + n_total * splits + out, sample)
+    tl.store(sums_ptr + out, z_u)
+    tl.store(sums_ptr + n_total * splits + out, a_u)
+    tl.store(sums_ptr + 2 * n_total * splits + out, z_s)
+    tl.store(sums_ptr + 3 * n_total * splits + out, a_s)
+    tl.store(sums_ptr + 4 * n_total * splits + out, z_r)
+
+
+def triton_partials(x: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor,
+                    vocab_start: int, *, softcap: float | None = None, threshold: torch.Tensor | None = None,
+                    threshold_on_scaled: bool = True, sampling: bool = True,
+                    soft_dtype: torch.dtype | None = None):
+    """model.sampling.stats.torch_partials' contract, split into ceil(V_r / SPLIT) pieces per position:
+    keys [2, R, P, splits] int64, sums [5, R, P, splits] fp32."""
+    R, P, V = x.shape
+    x = x.contiguous()
+    splits = triton.cdiv(V, SPLIT)
+    n_total = R * P
+    keys = torch.empty(2, R, P, splits, dtype=torch.int64, device=x.device)
+    sums = torch.empty(NUM_SUMS, R, P, splits, dtype=torch.float32, device=x.device)
+    temp = temperature.float().contiguous()
+    thr = threshold.float().contiguous() if threshold is not None else temp
+    _vocab_stats_kernel[(n_total, splits)](
+        x, temp, seed.contiguous(), counter.contiguous(), thr, keys, sums, P, V, vocab_start, splits, n_total,
+        float(softcap or 1.0), STREAM=STREAM_GUMBEL, HAS_SOFTCAP=softcap is not None, HAS_THR=threshold is not None,
+        THR_ON_SCALED=threshold_on_scaled, SAMPLING=sampling, ROUNDED=_ROUNDED[soft_dtype],
+        SPLIT_SIZE=min(SPLIT, triton.next_power_of_2(V)), BLOCK_SIZE=min(BLOCK, triton.next_power_of_2(V)),
+        num_warps=8)
+    return keys, sums

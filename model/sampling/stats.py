@@ -1,0 +1,190 @@
+"""Per-position statistics of vocabulary-sharded logits, in one pass over each rank's slice
+(SPEC.md 3.1-3.4, 4.1-4.4, 6, 7): everything a denoise, commit, draft, verify or AR decision reads.
+
+For R rows of P positions and this rank's slice x [R, P, V_r] of the raw LM-head output (any dtype):
+
+    u = softcap(x) (DiffusionGemma) or x, in fp32; filtered entries (u or s below the row's threshold) -inf
+    s = u / T                      T = the row's temperature, 1 for greedy rows
+    greedy   = argmax u            the lowest global id among equal maxima
+    sample   = argmax (s + G)      G: Gumbel noise of the row's (seed, draw counter); = greedy for greedy rows
+    lse_u, lse_s                   log-normalisers of softmax(u) and softmax(s)
+    entropy_u, entropy_s           entropies of softmax(u) and softmax(s)
+    lse_soft                       log-normaliser of softmax(round(s)) in the embedding dtype: the
+                                   self-conditioning probabilities (transformers rounds the logits first)
+    x_sample                       x[sample] as fp32 (the sampled token's raw logit)
+
+A pass produces partial statistics of a piece of the vocabulary: two maxima as order-preserving int64
+keys `(value bits) << 32 | (2^32 - 1 - id)` (the larger value wins, then the lower id) and five sums
+of exponentials relative to the piece's own maximum. Pieces are the splits of the triton kernel
+(model/kernels/vocab_stats.py) and the ranks of the tensor-parallel group; they combine the same way:
+one MAX all-reduce of the keys, then one SUM all-reduce of the sums rescaled to the global maximum
+(plus the sampled token's logit, which exactly one rank holds). Nothing vocabulary-wide is gathered,
+and no piece's result depends on other rows: the statistics are batch-invariant by construction.
+
+The pass here is the torch reference (every device; CPU's path). On CUDA the triton kernel computes
+the same partials (`vocab_stats(..., kernel=...)`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from model.parallel.group import TPGroup
+from model.sampling.noise import gumbel
+
+_LOW32 = (1 << 32) - 1
+# sums: z_u, a_u, z_s, a_s, z_soft (a_* = sum e^(v - m)(v - m): entropy without cancellation)
+NUM_SUMS = 5
+
+
+@dataclass
+class VocabStats:
+    greedy: torch.Tensor       # [R, P] int64 global ids
+    sample: torch.Tensor       # [R, P] int64 global ids
+    max_u: torch.Tensor        # [R, P] u[greedy]
+    lse_u: torch.Tensor
+    lse_s: torch.Tensor
+    entropy_u: torch.Tensor
+    entropy_s: torch.Tensor
+    lse_soft: torch.Tensor     # = lse_s when no rounding was asked for
+    x_sample: torch.Tensor     # [R, P] fp32 raw logit of the sampled token
+    temperature: torch.Tensor  # [R] T, 1 for greedy rows: s = u / T
+    threshold: torch.Tensor | None = None  # [R, P] the filters' smallest kept value (None: no filter)
+
+    def u_of(self, x: torch.Tensor, softcap: float | None) -> torch.Tensor:
+        """u of raw logits (e.g. x_sample), the same elementwise map as the pass."""
+        return _softcap(x.float(), softcap)
+
+    def logprob_s(self, u_tok: torch.Tensor) -> torch.Tensor:
+        """log softmax(s)[tok] from the token's u: its logprob under the row's (scaled) distribution."""
+        return u_tok / self.temperature[:, None] - self.lse_s
+
+
+# ---- keys -----------------------------------------------------------------------------------------
+
+def encode_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 values, global int64 ids (< 2^32) -> int64 keys ordered by value, then by lower id."""
+    bits = values.float().contiguous().view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return (ordered << 32) | (_LOW32 - ids)
+
+
+def decode_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (fp32 values, int64 ids)."""
+    ordered = keys >> 32
+    bits = torch.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(torch.int32)
+    return bits.view(torch.float32), _LOW32 - (keys & _LOW32)
+
+
+# ---- the torch pass (one piece: the whole local slice) ---------------------------------------------
+
+def _softcap(u: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return u if cap is None else torch.tanh(u / cap) * cap
+
+
+def effective_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    """T of s = u / T: the row's temperature, 1 for greedy rows (T = 0)."""
+    return torch.where(temperature > 0, temperature, 1.0)
+
+
+def unscaled(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """u: fp32, softcapped; what filters are decided on (DiffusionGemma) or divided by T (Nemotron)."""
+    return _softcap(x.float(), softcap)
+
+
+def torch_partials(x: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor,
+                   vocab_start: int, *, softcap: float | None = None, threshold: torch.Tensor | None = None,
+                   threshold_on_scaled: bool = True, sampling: bool = True,
+                   soft_dtype: torch.dtype | None = None):
+    """Partials of one piece (this rank's whole slice): keys [2, R, P, 1], sums [5, R, P, 1]."""
+    R, P, V = x.shape
+    u = _softcap(x.float(), softcap)
+    temp = temperature.view(R, 1, 1)
+    s = u / effective_temperature(temp)
+    if threshold is not None:
+        keep = (s if threshold_on_scaled else u) >= threshold.unsqueeze(-1)
+        u, s = torch.where(keep, u, -torch.inf), torch.where(keep, s, -torch.inf)
+    m = u.amax(-1)
+    greedy_key = encode_keys(m, u.argmax(-1) + vocab_start)
+    if sampling:
+        g = gumbel(seed, counter, P, vocab_start, V)
+        noisy = torch.where(torch.isfinite(s), s + g, s)
+        sample_key = torch.where(temp[..., 0] > 0, encode_keys(noisy.amax(-1), noisy.argmax(-1) + vocab_start),
+                                 greedy_key)
+    else:
+        sample_key = greedy_key
+    m_safe = torch.where(torch.isfinite(m), m, 0.0).unsqueeze(-1)
+    m_s = m_safe / effective_temperature(temp)
+    du, ds = u - m_safe, s - m_s
+    eu, es = torch.exp(du), torch.exp(ds)
+    sums = [eu.sum(-1), torch.where(eu > 0, eu * du, 0).sum(-1), es.sum(-1), torch.where(es > 0, es * ds, 0).sum(-1)]
+    if soft_dtype is not None:
+        sums.append(torch.exp(s.to(soft_dtype).float() - m_s.to(soft_dtype).float()).sum(-1))
+    else:
+        sums.append(sums[2])
+    return torch.stack([greedy_key, sample_key])[..., None], torch.stack(sums)[..., None]
+
+
+# ---- combining pieces ------------------------------------------------------------------------------
+
+def combine(keys: torch.Tensor, sums: torch.Tensor, x: torch.Tensor, temperature: torch.Tensor,
+            vocab_start: int, tp: TPGroup, soft_dtype: torch.dtype | None = None) -> VocabStats:
+    """keys [2, R, P, pieces], sums [5, R, P, pieces] of this rank's pieces; x this rank's raw slice (for
+    the sampled token's logit) -> the global statistics, identical on every rank. Two all-reduces."""
+    best = tp.all_reduce(keys.amax(-1), dist.ReduceOp.MAX)                    # [2, R, P]
+    m, greedy = decode_keys(best[0])
+    _, sample = decode_keys(best[1])
+    m_piece, _ = decode_keys(keys[0])         # [R, P, pieces]: a piece's greedy key holds its max u
+    temp = effective_temperature(temperature).view(-1, 1, 1)
+    m_g = torch.where(torch.isfinite(m), m, 0.0).unsqueeze(-1)
+    m_p = torch.where(torch.isfinite(m_piece), m_piece, 0.0)
+    # a piece's maximum of s is its maximum of u divided by T (division is monotone): what the pass used
+    ms_g, ms_p = m_g / temp, m_p / temp
+    scale_u, scale_s = torch.exp(m_p - m_g), torch.exp(ms_p - ms_g)
+    z_u = (sums[0] * scale_u).sum(-1)
+    a_u = ((sums[1] + sums[0] * (m_p - m_g)) * scale_u).sum(-1)
+    z_s = (sums[2] * scale_s).sum(-1)
+    a_s = ((sums[3] + sums[2] * (ms_p - ms_g)) * scale_s).sum(-1)
+    if soft_dtype is not None:
+        r_g, r_p = ms_g.to(soft_dtype).float(), ms_p.to(soft_dtype).float()
+        z_soft = (sums[4] * torch.exp(r_p - r_g)).sum(-1)
+    else:
+        r_g, z_soft = ms_g, z_s
+    x_sample = _value_at(x, sample, vocab_start)
+    total = tp.all_reduce(torch.stack([z_u, a_u, z_s, a_s, z_soft, x_sample]))
+    z_u, a_u, z_s, a_s, z_soft, x_sample = total
+    lse_u = m + torch.log(z_u)
+    lse_s = ms_g[..., 0] + torch.log(z_s)
+    return VocabStats(greedy=greedy, sample=sample, max_u=m, lse_u=lse_u, lse_s=lse_s,
+                      entropy_u=torch.log(z_u) - a_u / z_u, entropy_s=torch.log(z_s) - a_s / z_s,
+                      lse_soft=r_g[..., 0] + torch.log(z_soft) if soft_dtype is not None else lse_s,
+                      x_sample=x_sample, temperature=temp.view(-1))
+
+
+def _value_at(x: torch.Tensor, ids: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """x[..., ids] as fp32 where this rank holds the id, 0 elsewhere (a SUM over ranks picks the owner's)."""
+    local = ids - vocab_start
+    mine = (local >= 0) & (local < x.shape[-1])
+    picked = torch.gather(x, -1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1).float()
+    return torch.where(mine, picked, 0.0)
+
+
+def value_at(x: torch.Tensor, ids: torch.Tensor, vocab_start: int, tp: TPGroup) -> torch.Tensor:
+    """The raw logit x[..., id] of global ids, as fp32, identical on every rank (one SUM all-reduce)."""
+    return tp.all_reduce(_value_at(x, ids, vocab_start))
+
+
+def vocab_stats(x: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor,
+                vocab_start: int, tp: TPGroup, *, softcap: float | None = None,
+                threshold: torch.Tensor | None = None, threshold_on_scaled: bool = True, sampling: bool = True,
+                soft_dtype: torch.dtype | None = None, kernel=None) -> VocabStats:
+    """The statistics of x [R, P, V_r] (this rank's raw logits). `kernel`: a partials function with
+    torch_partials' signature (the triton pass on CUDA); None: the torch pass."""
+    partials = kernel or torch_partials
+    keys, sums = partials(x, temperature, seed, counter, vocab_start, softcap=softcap, threshold=threshold,
+                          threshold_on_scaled=threshold_on_scaled, sampling=sampling, soft_dtype=soft_dtype)
+    stats = combine(keys, sums, x, temperature, vocab_start, tp, soft_dtype)
+    stats.threshold = threshold
+    return stats

@@ -1,0 +1,138 @@
+"""Canvas-wide rows of masked diffusion (SPEC.md 3: denoise, commit) and linear speculation (SPEC.md 5:
+draft, verify), for Nemotron-Labs-Diffusion: one forward over every row's canvas, causal for commit and
+verify rows, then every phase's decisions computed for all rows and kept where the row is in that phase.
+Device ops only: a step reads its rows' phases on the device, so several run without the host.
+
+    denoise  x0 = the sampler's pick; reveal by the row's policy; converged -> commit
+    commit   emit the canvas (up to a clean EOS's trailing masks); the last position's prediction seeds
+             the next canvas; stop at max_tokens or an EOS -> done
+    draft    argmax canvas with position 0 the seed -> verify
+    verify   accept the draft's prefix causal greedy agrees with; the next seed is the prediction after it
+"""
+from __future__ import annotations
+
+import torch
+
+from model.parallel.group import TPGroup
+from model.sampling.reveal import reveal
+from model.slots import COMMIT, DENOISE, DONE, DRAFT, VERIFY, Scores
+from model.steps.plan import RowPlan
+
+
+def first_true(flags: torch.Tensor, default: int) -> torch.Tensor:
+    """Index of the first True along the last dim, `default` where none: [R, C] -> [R]."""
+    j = torch.arange(flags.shape[-1], device=flags.device)
+    return torch.where(flags, j, default).amin(-1)
+
+
+def contains_eos(tokens: torch.Tensor, count: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """[R]: an EOS among the first count[r] tokens of each row."""
+    j = torch.arange(tokens.shape[-1], device=tokens.device)
+    return (torch.isin(tokens, eos) & (j[None, :] < count[:, None])).any(-1)
+
+
+class MaskedCanvasStep:
+    def __init__(self, runner):
+        self.r = runner
+
+    def __call__(self, plan: RowPlan, idx: torch.Tensor, scored: torch.Tensor) -> None:
+        r, t, C, MASK = self.r, self.r.slots, self.r.C, self.r.mask_id
+        phase, length, canvas, n = t.phase[idx], t.length[idx], t.canvas[idx], t.n[idx]
+        is_denoise, is_commit = phase == DENOISE, phase == COMMIT
+        is_draft, is_verify = phase == DRAFT, phase == VERIFY
+        live = phase != DONE
+        hidden = r.forward(idx, canvas, length, C, is_commit | is_verify, plan.kv_len)
+        x = r.logits(hidden)                                            # [B, C, V_r] raw, mask token -inf
+        st = r.sampler.stats(x, idx, plan)
+        scores = r.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs) if plan.scored else None
+        r.observe("before", "canvas", idx, x)
+
+        # denoise: reveal candidates by the row's policy (SPEC.md 3.3-3.7)
+        masked = canvas == MASK
+        confidence = torch.where(masked, st.x_sample - st.lse_u, -torch.inf)
+        N = t.steps_limit[idx]
+        revealed = reveal(t.policy[idx], list(plan.policies), masked, n, N, confidence=confidence,
+                          entropy=st.entropy_u if "entropy_bound" in plan.policies else None,
+                          tau=t.tau[idx], gamma=t.gamma[idx]) & is_denoise[:, None]
+        denoised = torch.where(revealed, st.sample, canvas)
+        still_masked = denoised == MASK
+        converged = ~still_masked.any(-1) | (n + 1 >= N)
+        if plan.early_stop:
+            clean_eos = (torch.isin(denoised, r.eos) & (torch.cumsum(still_masked.long(), -1) == 0)).any(-1)
+            converged |= clean_eos & t.early_stop[idx]
+
+        # commit: the block is the canvas up to its first mask (denoising stopped at a clean EOS)
+        commit_count = first_true(canvas == MASK, C)
+        next_token = st.sample[:, C - 1]
+
+        # verify (greedy rows: the sampler's pick is the argmax)
+        pred = st.sample
+        agree = torch.cumprod((canvas[:, 1:] == pred[:, :-1]).long(), -1).sum(-1)
+        budget = (t.max_tokens[idx] - t.emitted[idx]).clamp(min=1, max=C)
+        accepted = torch.minimum(1 + agree, budget)
+        after_accepted = torch.gather(pred, 1, (accepted - 1)[:, None]).squeeze(1)
+
+        count = torch.where(is_commit, commit_count, torch.where(is_verify, accepted, 0))
+        emitted = t.emitted[idx] + count
+        eos_stop = contains_eos(canvas, count, r.eos) & ~t.ignore_eos[idx]
+        stop = (emitted >= t.max_tokens[idx]) | eos_stop
+        block_scores = None
+        if scores is not None:
+            block_scores = self._block_scores(idx[scored], is_commit[scored], scores, plan.top_logprobs)
+        r.outputs.emit(idx, canvas, count, (is_commit | is_verify).long(),
+                       torch.where(is_commit, n, is_verify.long()), block_scores, scored)
+
+        # the next canvas after a commit: the prediction at position 0 if the row seeds it (SPEC.md 3(a))
+        fresh = torch.full_like(canvas, MASK)
+        fresh[:, 0] = torch.where(t.seed_first[idx], next_token, MASK)
+        draft = torch.cat([t.last_token[idx][:, None], pred[:, 1:]], 1)
+        t.canvas[idx] = torch.where(is_denoise[:, None], denoised, torch.where(
+            is_commit[:, None], fresh, torch.where(is_draft[:, None], draft, canvas)))
+        if scores is not None:
+            self._keep_scores(idx[scored], revealed[scored], is_commit[scored], is_verify[scored],
+                              accepted[scored], scores)
+        t.phase[idx] = torch.where(is_denoise & converged, COMMIT, torch.where(
+            is_commit, torch.where(stop, DONE, DENOISE), torch.where(
+                is_draft, VERIFY, torch.where(is_verify, torch.where(stop, DONE, DRAFT), phase))))
+        t.n[idx] = torch.where(is_denoise, n + 1, torch.where(is_commit, 0, n))
+        t.length[idx] = length + torch.where(is_commit, C, torch.where(is_verify, accepted, 0))
+        t.emitted[idx] = emitted
+        t.last_token[idx] = torch.where(is_verify, after_accepted, t.last_token[idx])
+        t.draws[idx] += live.long()
+        denoising = (is_denoise | is_draft).long().sum()
+        r.outputs.add_counters(committed_tokens=(is_commit.long() * C + is_verify.long() * accepted).sum(),
+                               denoising_steps=denoising, canvas_positions=denoising * C,
+                               canvases=(is_commit | is_verify).long().sum(), forwards=live.long().sum())
+        r.observe("after", "canvas", idx)
+
+    def _block_scores(self, slots: torch.Tensor, is_commit: torch.Tensor, scores: Scores, k: int) -> Scores:
+        """A commit emits the canvas's reveal-time scores; a verify emits the seed's score, then the causal
+        scores of the draft's positions j >= 1, predicted at j - 1 (SPEC.md 6)."""
+        t = self.r.slots
+        canvas = t.canvas_scores.read(slots, k)
+        seed = t.seed_scores.read(slots, k)
+
+        def shift(a, b):
+            return None if a is None else torch.cat([a, b[:, :-1]], 1)
+
+        verified = Scores(shift(seed.logprob, scores.logprob), shift(seed.rank, scores.rank),
+                          shift(seed.top_values, scores.top_values), shift(seed.top_ids, scores.top_ids))
+
+        def pick(a, b):
+            if a is None:
+                return None
+            w = is_commit.view(-1, *([1] * (a.dim() - 1)))
+            return torch.where(w, a, b)
+
+        return Scores(pick(canvas.logprob, verified.logprob), pick(canvas.rank, verified.rank),
+                      pick(canvas.top_values, verified.top_values), pick(canvas.top_ids, verified.top_ids))
+
+    def _keep_scores(self, slots, revealed, is_commit, is_verify, accepted, scores: Scores) -> None:
+        """Reveal-time scores: denoise rows keep those of the positions they revealed; a commit row keeps
+        its seeded position 0's (the prediction at the last position); a verify row the next seed's."""
+        t, C = self.r.slots, self.r.C
+        t.canvas_scores.write(slots, revealed, scores)
+        position0 = torch.zeros_like(revealed)
+        position0[:, 0] = is_commit
+        t.canvas_scores.write(slots, position0, scores.at(torch.full_like(accepted, C - 1)).expand(C))
+        t.seed_scores.write(slots, is_verify[:, None], scores.at(accepted - 1))

@@ -1,0 +1,123 @@
+"""Canvas-wide rows of uniform-noise diffusion with self-conditioning (SPEC.md 4, DiffusionGemma), and
+the per-slot state only that family has: the previous argmax canvas and stability run, the next step's
+self-conditioning signal, and each request's schedule knobs.
+
+    start    a canvas of uniform random tokens, no self-conditioning signal (one draw)
+    denoise  the renoise sampler (model.sampling.renoise) keeps accepted samples and renoises the rest;
+             soft' = softmax(logits / T) @ W * sqrt(H) feeds the next step; on convergence the argmax
+             canvas is put in place, scored by that step's distribution -> commit
+    commit   emit the canvas; stop at max_tokens or an EOS -> done, else start the next canvas
+
+One forward over every row (causal for commit rows), device ops only, like the masked family's step.
+"""
+from __future__ import annotations
+
+import torch
+
+from model.config import RenoiseDefaults
+from model.sampling import renoise as RN
+from model.sampling.params import DecodeParams
+from model.sampling.stats import value_at
+from model.slots import COMMIT, DENOISE, DONE
+from model.steps.masked import contains_eos
+from model.steps.plan import RowPlan
+
+
+class RenoiseCanvasStep:
+    def __init__(self, runner, defaults: RenoiseDefaults, hidden_size: int, dtype: torch.dtype):
+        S, C, dev = runner.slots.num_slots, runner.C, runner.device
+        self.r, self.defaults = runner, defaults
+        # transformers rounds the self-conditioning logits to the embedding dtype
+        self.soft_dtype = None if dtype == torch.float32 else dtype
+        self.prev_argmax = torch.full((S, C), -1, dtype=torch.int64, device=dev)
+        self.run = torch.zeros(S, dtype=torch.int64, device=dev)
+        self.soft = torch.zeros(S, C, hidden_size, dtype=dtype, device=dev)   # next step's self-conditioning
+        self.t_min = torch.zeros(S, device=dev)
+        self.t_max = torch.ones(S, device=dev)
+        self.stability = torch.zeros(S, dtype=torch.int64, device=dev)
+        self.confidence = torch.zeros(S, device=dev)
+        self.self_conditioning = True   # False only to measure what it costs (benchmarks)
+
+    def knobs(self, params: DecodeParams) -> dict:
+        """The request's schedule knobs over generation_config.json's; ValueError naming a bad one."""
+        d = self.defaults
+        pick = lambda value, default: default if value is None else value  # noqa: E731
+        knobs = dict(t_min=pick(params.t_min, d.t_min), t_max=pick(params.t_max, d.t_max),
+                     stability=pick(params.stability_threshold, d.stability_threshold),
+                     confidence=pick(params.confidence_threshold, d.confidence_threshold),
+                     gamma=pick(params.entropy_bound, d.entropy_bound),
+                     steps=pick(params.max_denoising_steps, d.max_denoising_steps))
+        if knobs["t_max"] <= knobs["t_min"]:
+            raise ValueError(f"t_max must be > t_min (got {knobs['t_max']} <= {knobs['t_min']})")
+        return knobs
+
+    def admit(self, slots: list[int], knobs: list[dict]) -> None:
+        idx = self.r.slots.device_index(slots)
+        for name in ("t_min", "t_max", "stability", "confidence"):
+            buf = getattr(self, name)
+            values = torch.tensor([k[name] for k in knobs], dtype=buf.dtype, pin_memory=self.r.device.type == "cuda")
+            buf.index_copy_(0, idx, values.to(self.r.device, non_blocking=True))
+
+    def start(self, idx: torch.Tensor, where: torch.Tensor) -> None:
+        """Rows idx where `where`: a new canvas of uniform random tokens (one draw), denoised next."""
+        t, C = self.r.slots, self.r.C
+        fresh = RN.random_tokens(t.seed[idx], t.draws[idx], C, self.r.model.config.vocab_size)
+        w = where[:, None]
+        t.canvas[idx] = torch.where(w, fresh, t.canvas[idx])
+        self.prev_argmax[idx] = torch.where(w, -1, self.prev_argmax[idx])
+        self.run[idx] = torch.where(where, 0, self.run[idx])
+        self.soft[idx] = torch.where(w[..., None], 0, self.soft[idx])
+        t.n[idx] = torch.where(where, 0, t.n[idx])
+        t.phase[idx] = torch.where(where, DENOISE, t.phase[idx])
+        t.draws[idx] += where.long()
+
+    def __call__(self, plan: RowPlan, idx: torch.Tensor, scored: torch.Tensor) -> None:
+        r, t, C = self.r, self.r.slots, self.r.C
+        phase, length, canvas, n = t.phase[idx], t.length[idx], t.canvas[idx], t.n[idx]
+        is_denoise, is_commit = phase == DENOISE, phase == COMMIT
+        live = phase != DONE
+        hidden = r.forward(idx, canvas, length, C, is_commit, plan.kv_len, soft=self.soft[idx])
+        x = r.logits(hidden)
+        threshold = r.sampler.threshold(x, idx, plan) if plan.filters else None
+        step = RN.renoise_step(
+            x, n=n, steps=t.steps_limit[idx], t_min=self.t_min[idx], t_max=self.t_max[idx],
+            entropy_bound=t.gamma[idx], stability_threshold=self.stability[idx],
+            confidence_threshold=self.confidence[idx], seed=t.seed[idx], counter=t.draws[idx],
+            prev_argmax=self.prev_argmax[idx], run=self.run[idx], vocab_start=r.model.vocab_start,
+            vocab_size=r.model.config.vocab_size, tp=r.tp, threshold=threshold, soft_dtype=self.soft_dtype,
+            softcap=r.model.logit_softcap, kernel=r.sampler.kernel)
+        converged = step.converged & is_denoise
+        r.observe("before", "canvas", idx, x)
+
+        # commit rows emit the canvas (the argmax canvas their last denoise step put in place)
+        count = torch.where(is_commit, C, 0)
+        emitted = t.emitted[idx] + count
+        stop = (emitted >= t.max_tokens[idx]) | (contains_eos(canvas, count, r.eos) & ~t.ignore_eos[idx])
+        block_scores = t.canvas_scores.read(idx[scored], plan.top_logprobs) if plan.scored else None
+        r.outputs.emit(idx, canvas, count, is_commit.long(), torch.where(is_commit, n, 0), block_scores, scored)
+
+        # the converged step's distribution scores the committed argmax tokens (SPEC.md 6)
+        if plan.scored:
+            x_tok = value_at(x[scored], step.argmax[scored], r.model.vocab_start, r.tp)
+            scores = r.sampler.scores(x, step.stats, x_tok, scored, plan.top_logprobs)
+            t.canvas_scores.write(idx[scored], converged[scored][:, None].expand(-1, C), scores)
+
+        denoised = torch.where(converged[:, None], step.argmax, step.canvas)
+        t.canvas[idx] = torch.where(is_denoise[:, None], denoised, canvas)
+        self.prev_argmax[idx] = torch.where(is_denoise[:, None], step.argmax, self.prev_argmax[idx])
+        self.run[idx] = torch.where(is_denoise, step.run, self.run[idx])
+        if self.self_conditioning:
+            soft = r.model.soft_embedding(step.probs).to(self.soft.dtype)
+            self.soft[idx] = torch.where(is_denoise[:, None, None], soft, self.soft[idx])
+        t.n[idx] = torch.where(is_denoise, n + 1, n)
+        t.phase[idx] = torch.where(converged, COMMIT, torch.where(is_commit & stop, DONE, phase))
+        t.length[idx] = length + count
+        t.emitted[idx] = emitted
+        # a denoise step draws once; a commit's draw starts the next canvas
+        t.draws[idx] += is_denoise.long()
+        self.start(idx, is_commit & ~stop)
+        denoising = is_denoise.long().sum()
+        r.outputs.add_counters(committed_tokens=count.sum(), denoising_steps=denoising,
+                               canvas_positions=denoising * C, canvases=is_commit.long().sum(),
+                               forwards=live.long().sum())
+        r.observe("after", "canvas", idx)

@@ -1,0 +1,85 @@
+"""The sampler every step kind shares: statistics of its rows' logits (model.sampling.stats), the
+candidate filters that feed them, and reveal-time scores for the rows that asked.
+
+Filters (SPEC.md 3.2; DiffusionGemma: on the softcapped logits before the temperature, as transformers'
+logits processors) become one threshold per position, kept iff value >= threshold; they, and scores,
+cost a pass over the logits only when some row asks.
+"""
+from __future__ import annotations
+
+import torch
+
+from model.parallel.group import TPGroup
+from model.sampling import stats as S
+from model.sampling.filters import keep_threshold
+from model.slots import Scores, SlotTable
+from model.steps.plan import RowPlan
+
+_TOPK_CHUNK = 1 << 25  # elements of int64 keys built at once for top-k capture
+
+
+class RowSampler:
+    def __init__(self, model, slots: SlotTable, kernel=None):
+        self.slots, self.tp = slots, model.tp
+        self.vocab_start = model.vocab_start
+        self.softcap = getattr(model, "logit_softcap", None)
+        self.filter_on_scaled = self.softcap is None   # masked diffusion decides filters on logits / T
+        self.kernel = kernel
+
+    def stats(self, x: torch.Tensor, idx: torch.Tensor, plan: RowPlan, temperature: torch.Tensor | None = None,
+              soft_dtype: torch.dtype | None = None) -> S.VocabStats:
+        """x [B, P, V_r] raw logits of rows idx; `temperature` [B] overrides the rows' own (a schedule)."""
+        t = self.slots
+        temp = t.temperature[idx] if temperature is None else temperature
+        threshold = self.threshold(x, idx, plan, temp) if plan.filters else None
+        return S.vocab_stats(x, temp, t.seed[idx], t.draws[idx], self.vocab_start, self.tp, softcap=self.softcap,
+                             threshold=threshold, threshold_on_scaled=self.filter_on_scaled,
+                             sampling=plan.sampling, soft_dtype=soft_dtype, kernel=self.kernel)
+
+    def threshold(self, x: torch.Tensor, idx: torch.Tensor, plan: RowPlan,
+                  temp: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, P]: the smallest kept value (in the space the filter is decided in), -inf for no filter.
+        `temp` [B]: the rows' temperatures where filters are decided on logits / T."""
+        t = self.slots
+        base = S.unscaled(x, self.softcap)
+        if self.filter_on_scaled:
+            base = base / S.effective_temperature(t.temperature[idx] if temp is None else temp).view(-1, 1, 1)
+        return keep_threshold(base, self.vocab_start, self.tp, t.top_k[idx] if plan.filter_top_k else None,
+                              plan.filter_top_k, t.top_p[idx] if plan.filter_top_p else None)
+
+    def scores(self, x: torch.Tensor, stats: S.VocabStats, x_tok: torch.Tensor, rows: torch.Tensor,
+               k: int) -> Scores:
+        """Scores (SPEC.md 6) for the scored rows `rows` [B'] of the tokens whose raw logits are x_tok [B', P]:
+        logprob under softmax(s), rank = 1 + entries with a larger logit, and the top k alternatives."""
+        xs = x[rows]
+        temp = stats.temperature[rows].view(-1, 1)
+        lse_s = stats.lse_s[rows]
+        logprob = S.unscaled(x_tok, self.softcap) / temp - lse_s
+        # x_tok is one of the logits, so it converts back to their dtype exactly
+        rank = 1 + self.tp.all_reduce((xs > x_tok.unsqueeze(-1).to(xs.dtype)).sum(-1))
+        if not k:
+            return Scores(logprob, rank)
+        values, ids = self._top_k(xs, k)
+        s = S.unscaled(values, self.softcap) / temp.unsqueeze(-1)
+        if stats.threshold is not None:  # filtered alternatives have no probability
+            base = s if self.filter_on_scaled else S.unscaled(values, self.softcap)
+            kept = base >= stats.threshold[rows].unsqueeze(-1)
+            s = torch.where(kept, s, -torch.inf)
+        return Scores(logprob, rank, s - lse_s.unsqueeze(-1), ids)
+
+    def _top_k(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k largest raw logits [B', P, k] and their global ids, ties to the lowest id, merged over
+        ranks from each rank's own top k."""
+        flat = x.reshape(-1, x.shape[-1])
+        ids = torch.arange(self.vocab_start, self.vocab_start + x.shape[-1], device=x.device)
+        step = max(1, _TOPK_CHUNK // x.shape[-1])
+        keys = torch.cat([S.encode_keys(flat[i:i + step].float(), ids).topk(min(k, x.shape[-1]), dim=-1).values
+                          for i in range(0, flat.shape[0], step)])
+        if keys.shape[-1] < k:  # a shard narrower than k: pad with keys that lose every comparison
+            pad = S.encode_keys(torch.full((1,), -torch.inf, device=x.device), torch.full((1,), (1 << 32) - 1,
+                                                                                          device=x.device))
+            keys = torch.cat([keys, pad.expand(keys.shape[0], k - keys.shape[-1])], -1)
+        if self.tp.is_parallel:
+            keys = torch.movedim(self.tp.all_gather(keys), 0, -2).flatten(-2).topk(k, dim=-1).values
+        values, top_ids = S.decode_keys(keys)
+        return values.view(*x.shape[:-1], k), top_ids.view(*x.shape[:-1], k)

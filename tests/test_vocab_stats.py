@@ -1,0 +1,124 @@
+"""The sampler statistics (model/sampling/stats.py, SPEC.md 3-4, 7): one pass's partials, combined over
+pieces of the vocabulary, equal dense references; the triton pass (model/kernels/vocab_stats.py),
+run by triton's CPU interpreter, equals the torch pass token for token."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.parallel.group import TPGroup
+from model.sampling import noise
+from model.sampling import stats as S
+
+TP1 = TPGroup()
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def case(R=3, P=4, V=300, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(R, P, V, generator=gen) * 4).to(dtype)
+    x[0, 0, :7] = -torch.inf            # the mask token and filtered entries are -inf
+    x[1, 2, 10] = x[1, 2, 20] = x[1, 2].max() + 1   # a tie for the maximum: the lower id wins
+    temp = torch.tensor([0.7, 0.0, 1.5][:R])
+    return x, temp, torch.tensor([5, 2**40 + 3, 9][:R]), torch.tensor([3, 1, 0][:R])
+
+
+def dense(x, temp, seed, counter, softcap=None, soft_dtype=None, vocab_start=0):
+    u = x.float() if softcap is None else torch.tanh(x.float() / softcap) * softcap
+    T = torch.where(temp > 0, temp, 1.0).view(-1, 1, 1)
+    s = u / T
+    g = noise.gumbel(seed, counter, x.shape[1], vocab_start, x.shape[-1])
+    sample = torch.where(temp.view(-1, 1) > 0, torch.argmax(torch.where(torch.isfinite(s), s + g, s), -1),
+                         torch.argmax(u, -1))
+    soft = s if soft_dtype is None else s.to(soft_dtype).float()
+    return dict(greedy=torch.argmax(u, -1) + vocab_start, sample=sample + vocab_start,
+                lse_u=torch.logsumexp(u, -1), lse_s=torch.logsumexp(s, -1),
+                entropy_u=torch.distributions.Categorical(logits=u).entropy(),
+                entropy_s=torch.distributions.Categorical(logits=s).entropy(),
+                lse_soft=torch.logsumexp(soft, -1))
+
+
+@pytest.mark.parametrize("softcap,soft_dtype", [(None, None), (30.0, torch.bfloat16)])
+def test_statistics_equal_dense_references(softcap, soft_dtype):
+    x, temp, seed, counter = case()
+    st = S.vocab_stats(x, temp, seed, counter, 0, TP1, softcap=softcap, soft_dtype=soft_dtype)
+    ref = dense(x, temp, seed, counter, softcap, soft_dtype)
+    assert torch.equal(st.greedy, ref["greedy"]) and torch.equal(st.sample, ref["sample"])
+    assert st.greedy[1, 2] == 10                       # ties: the lowest id
+    for key in ("lse_u", "lse_s", "entropy_u", "entropy_s", "lse_soft"):
+        assert torch.allclose(getattr(st, key), ref[key], atol=1e-5), key
+    assert torch.equal(st.x_sample, torch.gather(x, -1, st.sample[..., None])[..., 0])
+
+
+def test_pieces_combine_like_the_whole_slice():
+    """Partials of vocabulary pieces (a kernel's splits, or TP ranks) combine to the whole's statistics."""
+    x, temp, seed, counter = case(V=1000)
+    whole = S.vocab_stats(x, temp, seed, counter, 0, TP1, soft_dtype=torch.bfloat16)
+    bounds = [0, 137, 512, 513, 1000]   # uneven, one a single entry wide
+    parts = [S.torch_partials(x[..., a:b], temp, seed, counter, a, soft_dtype=torch.bfloat16)
+             for a, b in zip(bounds, bounds[1:])]
+    keys, sums = torch.cat([k for k, _ in parts], -1), torch.cat([s for _, s in parts], -1)
+    combined = S.combine(keys, sums, x, temp, 0, TP1, torch.bfloat16)
+    assert torch.equal(combined.greedy, whole.greedy) and torch.equal(combined.sample, whole.sample)
+    for key in ("lse_u", "lse_s", "entropy_u", "entropy_s", "lse_soft", "max_u"):
+        assert torch.allclose(getattr(combined, key), getattr(whole, key), atol=1e-5), key
+
+
+def test_thresholds_filter_in_the_space_they_are_decided_in():
+    x, temp, seed, counter = case()
+    thr = torch.full(x.shape[:-1], -torch.inf)
+    thr[2] = 1.0
+    for on_scaled in (True, False):
+        st = S.vocab_stats(x, temp, seed, counter, 0, TP1, threshold=thr, threshold_on_scaled=on_scaled)
+        u = x.float()
+        base = u / torch.where(temp > 0, temp, 1.0).view(-1, 1, 1) if on_scaled else u
+        kept = base >= thr.unsqueeze(-1)
+        ref = dense(torch.where(kept, u, -torch.inf), temp, seed, counter)
+        assert torch.equal(st.sample, ref["sample"]) and torch.allclose(st.lse_s, ref["lse_s"], atol=1e-5)
+        assert torch.gather(kept, -1, st.sample[..., None]).all()
+
+
+def test_keys_order_by_value_then_lowest_id():
+    values = torch.tensor([-torch.inf, -3.5, -0.0, 0.0, 1e-30, 2.0, 2.0, torch.inf])
+    ids = torch.tensor([0, 1, 2, 3, 4, 6, 5, 7])
+    keys = S.encode_keys(values, ids)
+    v, i = S.decode_keys(keys)
+    assert torch.equal(v, values) and torch.equal(i, ids)
+    assert keys[6] > keys[5]                      # equal values: the lower id is the larger key
+    assert torch.equal(torch.argsort(keys[[0, 1, 4, 5, 7]]), torch.arange(5))
+
+
+TRITON_CHECK = r"""
+import torch
+from model.kernels.vocab_stats import triton_partials
+from model.parallel.group import TPGroup
+from model.sampling import stats as S
+torch.manual_seed(0)
+for R, P, V, softcap, soft, vs, dtype in [(2, 3, 997, None, None, 0, torch.float32),
+                                           (2, 2, 5000, 30.0, torch.bfloat16, 100, torch.bfloat16),
+                                           (3, 1, 40000, None, None, 7, torch.float32)]:
+    x = (torch.randn(R, P, V) * 4).to(dtype)
+    x[0, 0, 5] = float("-inf")
+    temp = torch.tensor([0.7, 0.0, 1.3][:R])
+    seed, counter = torch.tensor([5, 2**40 + 3, 9][:R]), torch.tensor([3, 1, 0][:R])
+    thr = torch.full((R, P), -float("inf")); thr[0] = 2.0
+    for threshold in (None, thr):
+        kw = dict(softcap=softcap, threshold=threshold, soft_dtype=soft)
+        a = S.vocab_stats(x, temp, seed, counter, vs, TPGroup(), **kw)
+        b = S.vocab_stats(x, temp, seed, counter, vs, TPGroup(), kernel=triton_partials, **kw)
+        assert torch.equal(a.greedy, b.greedy) and torch.equal(a.sample, b.sample), (R, P, V)
+        for f in ("max_u", "lse_u", "lse_s", "entropy_u", "entropy_s", "lse_soft", "x_sample"):
+            d = (getattr(a, f) - getattr(b, f)).abs().max().item()
+            assert d < 1e-5 * max(1.0, getattr(a, f).abs().max().item()), (f, d)
+print("triton == torch")
+"""
+
+
+def test_triton_pass_equals_torch_pass_in_the_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "triton == torch" in out.stdout, out.stderr[-3000:]
