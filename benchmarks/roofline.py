@@ -95,27 +95,28 @@ def timed(runner: Runner, prompts, params) -> dict:
     return run_requests(runner, prompts, params)
 
 
-def profile_step(runner: Runner, prompt: list[int], params: DecodeParams, top: int = 12) -> list[dict]:
-    """The top kernels (CUDA time) of one command of 4 steps, eager (so each kernel is its own event)."""
+def profile_step(runner: Runner, prompt: list[int], params: DecodeParams, top: int = 15) -> list[dict]:
+    """The operators (with input shapes) taking the most CUDA time in one command of 4 steps, eager (so
+    each kernel is attributed to its operator); per step."""
     from torch.profiler import ProfilerActivity, profile
 
     graphs, runner.graphs = runner.graphs, None
     runner.execute(Command(admit=(NewSlot(0, tuple(prompt), params, 0),), max_steps=2))
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         runner.execute(Command(max_steps=4))
         torch.cuda.synchronize()
     runner.execute(Command(release=(0,), max_steps=0))
     runner.graphs = graphs
-    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:top]
-    total = sum(e.device_time_total for e in prof.key_averages())
-    return [{"kernel": e.key[:90], "cuda_ms": e.device_time_total / 1e3 / 4, "share": e.device_time_total / total}
-            for e in rows]
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in ops)
+    ops.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [{"op": e.key[:60], "shapes": str(e.input_shapes)[:110], "calls": e.count // 4,
+             "cuda_ms": e.self_device_time_total / 1e3 / 4, "share": e.self_device_time_total / total}
+            for e in ops[:top]] + [{"op": "all", "cuda_ms": total / 1e3 / 4}]
 
 
-def release(*objs) -> None:
-    for o in objs:
-        del o
+def free_cuda() -> None:
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -138,7 +139,8 @@ def nemotron(work: Path, bandwidth: float, result: dict, skip: set[str]) -> None
     result["P4"] = many["tok_per_s"] / one["tok_per_s"]
     if "profile" not in skip:
         result["nemotron_8b"]["profile"] = profile_step(runner, prompt, params)
-    release(runner)
+    del runner
+    free_cuda()
     if "served" not in skip:
         served = served_rate(model_dir, prompt, params)
         result["nemotron_8b"]["served"] = served
@@ -189,7 +191,8 @@ def diffusion_gemma(work: Path, bandwidth: float, result: dict, skip: set[str]) 
     result["SC"] = ours[768]["steady_step_s"] / without["steady_step_s"]
     if "profile" not in skip:
         result["diffusion_gemma_26b"]["profile"] = profile_step(runner, prompt, DecodeParams(max_tokens=768, **fixed))
-    release(runner)
+    del runner
+    free_cuda()
     if "transformers" not in skip:
         reference = transformers_generate(model_dir, prompt, fixed)
         result["diffusion_gemma_26b"]["transformers"] = reference
@@ -198,23 +201,29 @@ def diffusion_gemma(work: Path, bandwidth: float, result: dict, skip: set[str]) 
 
 def transformers_generate(model_dir: Path, prompt: list[int], fixed: dict) -> dict:
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
     cfg = DiffusionGemmaConfig.from_pretrained(model_dir)
     with torch.device("cuda"):
         model = DiffusionGemmaForBlockDiffusion._from_config(cfg, dtype=torch.bfloat16).eval()
+    out = {"experts_implementation": getattr(model.config.get_text_config(), "_experts_implementation", None),
+           "attn_implementation": model.config._attn_implementation}
     ids = torch.tensor([prompt], device="cuda")
-    out = {}
     with torch.no_grad():
         for n in (256, 256, 768):   # the first 256 warms up
             torch.cuda.synchronize()
             t = time.perf_counter()
             seq = model.generate(ids, max_new_tokens=n, max_denoising_steps=fixed["max_denoising_steps"],
-                                 confidence_threshold=0.0, eos_token_id=None, pad_token_id=None)
+                                 t_min=0.4, t_max=0.8, stability_threshold=1, confidence_threshold=0.0,
+                                 sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), eos_token_id=None,
+                                 pad_token_id=None)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
             seq = getattr(seq, "sequences", seq)
-            out[n] = {"wall_s": wall, "tokens": seq.shape[1] - len(prompt), "tok_per_s": (seq.shape[1] - len(prompt)) / wall}
-    release(model)
+            new = seq.shape[1] - len(prompt)
+            out[n] = {"wall_s": wall, "tokens": new, "tok_per_s": new / wall}
+    del model
+    free_cuda()
     return out
 
 

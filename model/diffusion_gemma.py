@@ -31,7 +31,8 @@ from torch import nn
 
 from model.attention import cached_attention, get_step_context
 from model.config import FULL, SLIDING, DiffusionGemmaConfig, LayerRope
-from model.layers import apply_rotary
+from model.fused import (add_gemma_rms_norm, gelu_mul, gemma_feedforward_inputs, gemma_feedforward_out,
+                         gemma_qkv, gemma_rms_norm)
 from model.parallel.group import TPGroup
 from model.parallel.linear import (MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_into,
                                    divide, new_param, read_slice)
@@ -48,11 +49,7 @@ class GemmaRMSNorm(nn.Module):
         self.weight = new_param(dim) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.weight is not None:
-            h = h * self.weight.float()
-        return h.type_as(x)
+        return gemma_rms_norm(x, self.weight, self.eps)
 
 
 class GemmaRotaryEmbedding(nn.Module):
@@ -140,9 +137,7 @@ class DiffusionGemmaAttention(nn.Module):
         k = k.view(b, n, self.num_kv_heads, self.head_dim)
         v = v[0].view(b, n, self.num_kv_heads, self.head_dim) if v else k  # K = V: the raw key projection
         cos, sin = rope
-        q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(k), cos, sin)
-        v = self.v_norm(v)
+        q, k, v = gemma_qkv(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
         o = cached_attention(q, k, v, self.layer_idx, 1.0, sliding=self.is_sliding)
         return self.o_proj(o.reshape(b, n, self.num_heads * self.head_dim))
 
@@ -157,8 +152,7 @@ class GemmaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj.weight)
+        return F.linear(gelu_mul(self.gate_up_proj(x)), self.down_proj.weight)
 
 
 class GemmaRouter(nn.Module):
@@ -169,14 +163,14 @@ class GemmaRouter(nn.Module):
         super().__init__()
         self.top_k = cfg.top_k_experts
         self.scalar_root_size = cfg.hidden_size ** -0.5
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, with_scale=False)
         self.proj = ReplicatedLinear(cfg.hidden_size, cfg.num_experts)
         self.scale = new_param(cfg.hidden_size)
         self.per_expert_scale = new_param(cfg.num_experts)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> weights [T, k] fp32, expert ids [T, k]."""
-        scores = self.proj(self.norm(x) * self.scale * self.scalar_root_size)
+    def forward(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """normed [T, H]: norm(x) * scale / sqrt(H) of the residual x (fused with the layer's other norms:
+        model.fused.gemma_feedforward_inputs) -> weights [T, k] fp32, expert ids [T, k]."""
+        scores = self.proj(normed)
         weights, ids = torch.topk(torch.softmax(scores, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.per_expert_scale[ids], ids
@@ -218,8 +212,7 @@ class GemmaExperts(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).index_add_(
             0, flat, torch.ones_like(flat))
         ends = torch.cumsum(counts, 0).to(torch.int32)
-        gate, up = _grouped_linear(x[token], self.gate_up_proj, ends).chunk(2, dim=-1)
-        y = _grouped_linear(F.gelu(gate, approximate="tanh") * up, self.down_proj, ends)
+        y = _grouped_linear(gelu_mul(_grouped_linear(x[token], self.gate_up_proj, ends)), self.down_proj, ends)
         y = (y * weights.flatten()[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)
 
@@ -251,15 +244,20 @@ class DiffusionGemmaDecoderLayer(nn.Module):
         self.layer_scalar = new_param(1)  # the decoder's; the encoder's sits in DiffusionGemmaModel.encoder
 
     def forward(self, h: torch.Tensor, rope, layer_scalar: torch.Tensor) -> torch.Tensor:
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope))
+        eps = self.input_layernorm.eps
+        h = add_gemma_rms_norm(h, self.self_attn(self.input_layernorm(h), rope), self.post_attention_layernorm.weight,
+                               eps)
         flat = h.reshape(-1, h.shape[-1])
-        weights, ids = self.router(flat)
-        dense = self.mlp.partial(self.pre_feedforward_layernorm(h))
-        moe = self.experts(self.pre_feedforward_layernorm_2(flat), weights, ids).view_as(h)
+        x_dense, x_moe, x_router = gemma_feedforward_inputs(
+            flat, self.pre_feedforward_layernorm.weight, self.pre_feedforward_layernorm_2.weight,
+            self.router.scale, self.router.scalar_root_size, eps)
+        weights, ids = self.router(x_router)
+        dense = self.mlp.partial(x_dense)
+        moe = self.experts(x_moe, weights, ids)
         dense, moe = self.tp.all_reduce(torch.stack([dense, moe]))  # one collective for both partial sums
-        h = h + self.post_feedforward_layernorm(self.post_feedforward_layernorm_1(dense)
-                                                + self.post_feedforward_layernorm_2(moe))
-        return h * layer_scalar
+        return gemma_feedforward_out(h, dense.view_as(h), moe.view_as(h), self.post_feedforward_layernorm_1.weight,
+                                     self.post_feedforward_layernorm_2.weight, self.post_feedforward_layernorm.weight,
+                                     layer_scalar, eps)
 
 
 class GemmaSelfConditioning(nn.Module):
@@ -275,8 +273,7 @@ class GemmaSelfConditioning(nn.Module):
     def forward(self, e: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
         if soft is None:  # every row on its first step: the MLP of a zero signal is exactly zero
             return self.post_norm(e)
-        gate, up = self.gate_up_proj(self.pre_norm(soft)).chunk(2, dim=-1)
-        return self.post_norm(e + self.down_proj(F.gelu(gate, approximate="tanh") * up))
+        return self.post_norm(e + self.down_proj(gelu_mul(self.gate_up_proj(self.pre_norm(soft)))))
 
 
 class DiffusionGemmaDecoder(nn.Module):

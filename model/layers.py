@@ -1,10 +1,11 @@
-"""Replicated building blocks shared by the families: RMSNorm, gated activations, rotary embeddings."""
+"""Replicated building blocks shared by the families: RMSNorm's weights and the rotary embeddings'
+tables. Their elementwise math is in model/fused.py (one kernel per chain on CUDA)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from model.fused import rms_norm
 from model.parallel.linear import new_param
 
 
@@ -17,20 +18,7 @@ class RMSNorm(nn.Module):
         self.weight = new_param(hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -70,7 +58,3 @@ class RotaryEmbedding(nn.Module):
             q_scale = 1 + self.beta * torch.log(1 + torch.floor(positions / self.original_max))
             q_scale = q_scale.to(self.dtype)[..., None, None]
         return cos, sin, q_scale
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin

@@ -5,7 +5,8 @@
     for each layer:  h += o(attn(rope(q(n1(h))) * s(pos), rope(k(n1(h))), v(n1(h))));  h += down(silu(gate(n2(h))) * up(n2(h)))
     logits_r = diffusion_head_r(norm(h))          # this rank's vocabulary slice
 
-with s(pos) the Llama-4 query scale. Whether attention is causal or bidirectional, and which KV it
+with s(pos) the Llama-4 query scale. Each residual add is fused with the norm after it (model/fused.py):
+a layer takes the residual stream and the previous sublayer's output, and returns both. Whether attention is causal or bidirectional, and which KV it
 reads and writes, is the step context's business (model.attention), not the model's.
 """
 from __future__ import annotations
@@ -15,7 +16,8 @@ from torch import nn
 
 from model.attention import cached_attention
 from model.config import NemotronLabsDiffusionConfig
-from model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from model.fused import add_rms_norm, rotary, silu_mul
+from model.layers import RMSNorm, RotaryEmbedding
 from model.parallel.group import TPGroup
 from model.parallel.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model.parallel.linear import ParallelLMHead, VocabParallelEmbedding
@@ -43,9 +45,7 @@ class NemotronLDAttention(nn.Module):
         k = k.view(b, n, self.num_kv_heads, self.head_dim)
         v = v.view(b, n, self.num_kv_heads, self.head_dim)
         cos, sin, q_scale = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if q_scale is not None:
-            q = q * q_scale
+        q, k = rotary(q, k, cos, sin, q_scale)
         o = cached_attention(q, k, v, self.layer_idx, self.scale)
         return self.o_proj(o.reshape(b, n, q_size))
 
@@ -54,11 +54,10 @@ class NemotronLDMLP(nn.Module):
     def __init__(self, cfg: NemotronLabsDiffusionConfig, tp: TPGroup):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp)
-        self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class NemotronLDDecoderLayer(nn.Module):
@@ -69,9 +68,16 @@ class NemotronLDDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = NemotronLDMLP(cfg, tp)
 
-    def forward(self, h: torch.Tensor, rope) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the residual stream; delta: the previous sublayer's output, not yet added (None before the
+        first layer) -> (h, delta) for the next layer."""
+        if delta is None:
+            x = self.input_layernorm(h)
+        else:
+            h, x = add_rms_norm(h, delta, self.input_layernorm.weight, self.input_layernorm.eps)
+        h, x = add_rms_norm(h, self.self_attn(x, rope), self.post_attention_layernorm.weight,
+                            self.post_attention_layernorm.eps)
+        return h, self.mlp(x)
 
 
 class NemotronLDEncoder(nn.Module):
@@ -84,10 +90,10 @@ class NemotronLDEncoder(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         rope = self.rotary_emb(positions)
-        h = self.embed_tokens(ids)
+        h, delta = self.embed_tokens(ids), None
         for layer in self.layers:
-            h = layer(h, rope)
-        return self.norm(h)
+            h, delta = layer(h, delta, rope)
+        return add_rms_norm(h, delta, self.norm.weight, self.norm.eps)[1]
 
 
 class NemotronLabsDiffusionModel(nn.Module):

@@ -20,6 +20,7 @@ from model.config import RenoiseDefaults
 from model.graphs import StepGraphs, bucket, device_context
 from model.outputs import CommandOutputs
 from model.protocol import Command, Events, NewSlot
+from model.sampling.stats import TORCH_PASSES, VocabPasses
 from model.slots import SlotInfo, SlotTable
 from model.steps.causal import CausalSteps
 from model.steps.masked import MaskedCanvasStep
@@ -33,7 +34,7 @@ CANVAS_MODES = ("diffusion", "linear_spec")
 class Runner:
     def __init__(self, model, num_slots: int, max_model_len: int, device: torch.device | str = "cpu",
                  cuda_graphs: bool | None = None, renoise_defaults: RenoiseDefaults | None = None,
-                 max_steps_per_command: int = 64, sampler_kernel=None):
+                 max_steps_per_command: int = 64, sampler_passes: VocabPasses = TORCH_PASSES):
         cfg = model.config
         self.model, self.tp, self.device = model, model.tp, torch.device(device)
         self.C, self.mask_id = cfg.canvas_length, cfg.mask_token_id   # no mask token: uniform-noise family
@@ -50,7 +51,7 @@ class Runner:
         self.eos = torch.tensor(cfg.eos_token_ids, dtype=torch.int64, device=self.device)
         self.slots = SlotTable(num_slots, self.C, self.mask_id or 0, self.device)
         self.outputs = CommandOutputs(num_slots, self.C, max_steps_per_command, self.device)
-        self.sampler = RowSampler(model, self.slots, sampler_kernel)
+        self.sampler = RowSampler(model, self.slots, sampler_passes)
         self.causal = CausalSteps(self)
         self.renoise = None
         if self.family == "diffusion-gemma":
@@ -130,7 +131,8 @@ class Runner:
             scored = self.slots.device_index(list(plan.scored))
             step(plan, idx, scored)
             return
-        key = (kind, plan)
+        # what else changes a step's code: whether self-conditioning runs (off only to measure its cost)
+        key = (kind, plan, self.renoise.self_conditioning if self.renoise else None)
         idx, scored = self.graphs.index_inputs(key, slots, list(plan.scored))
         self.graphs.run(key, lambda i, s: step(plan, i, s), idx, scored)
 

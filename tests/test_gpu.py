@@ -63,7 +63,7 @@ def _stats_case(R, P, V, dtype, seed=0):
 def test_triton_sampler_statistics_equal_torch(family, dtype):
     """Full-size vocabularies: the same tokens (greedy and Gumbel samples), and scores within 1e-3 (bf16
     logits) / 1e-5 (fp32) of the torch pass."""
-    from model.kernels.vocab_stats import triton_partials
+    from model.kernels.vocab_stats import TRITON_PASSES
     from model.parallel.group import TPGroup
     from model.sampling import stats as S
 
@@ -75,11 +75,14 @@ def test_triton_sampler_statistics_equal_torch(family, dtype):
         x, temp, seed, counter = _stats_case(2, 256, 262144, dtype)
         kw = dict(softcap=30.0, soft_dtype=torch.bfloat16)
     a = S.vocab_stats(x, temp, seed, counter, 0, TPGroup(), **kw)
-    b = S.vocab_stats(x, temp, seed, counter, 0, TPGroup(), kernel=triton_partials, **kw)
-    assert torch.equal(a.greedy, b.greedy) and torch.equal(a.sample, b.sample)
+    b = S.vocab_stats(x, temp, seed, counter, 0, TPGroup(), passes=TRITON_PASSES, **kw)
+    for key in ("greedy", "sample"):
+        differ = (getattr(a, key) != getattr(b, key)).nonzero().tolist()
+        assert not differ, (key, differ[:5])
     tol = 1e-3 if dtype == torch.bfloat16 else 1e-5
     for key in ("lse_u", "lse_s", "entropy_u", "entropy_s", "lse_soft", "x_sample"):
-        assert (getattr(a, key) - getattr(b, key)).abs().max() < tol, key
+        diff = (getattr(a, key) - getattr(b, key)).abs().max().item()
+        assert diff < tol, (key, diff)
     cap = kw.get("softcap")
     assert (a.logprob_s(a.u_of(a.x_sample, cap)) - b.logprob_s(b.u_of(b.x_sample, cap))).abs().max() < tol
 

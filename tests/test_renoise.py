@@ -15,7 +15,7 @@ from transformers.models.diffusion_gemma import generation_diffusion_gemma as G
 from model.parallel.group import TPGroup
 from model.sampling import renoise as RN
 from model.sampling.filters import keep_threshold
-from model.sampling.stats import vocab_stats
+from model.sampling.stats import probabilities, vocab_stats
 
 TP1 = TPGroup()
 
@@ -219,7 +219,7 @@ def test_low_precision_self_conditioning_rounds_logits_like_reference():
     for dtype in (torch.float32, torch.bfloat16):
         st = vocab_stats(scaled, ones, zeros, zeros, 0, TP1, sampling=False,
                          soft_dtype=None if dtype == torch.float32 else dtype)
-        entropy, probs = st.entropy_s, RN.probabilities(scaled, st.lse_soft, dtype)
+        entropy, probs = st.entropy_s, probabilities(scaled, st.lse_soft, dtype)
         expected = torch.softmax(scaled.to(dtype), dim=-1, dtype=torch.float32)
         assert torch.allclose(probs, expected, atol=1e-6)
         assert torch.allclose(entropy, torch.distributions.Categorical(logits=scaled).entropy(), atol=1e-5)

@@ -93,7 +93,7 @@ def test_keys_order_by_value_then_lowest_id():
 
 TRITON_CHECK = r"""
 import torch
-from model.kernels.vocab_stats import triton_partials
+from model.kernels.vocab_stats import TRITON_PASSES
 from model.parallel.group import TPGroup
 from model.sampling import stats as S
 torch.manual_seed(0)
@@ -108,11 +108,16 @@ for R, P, V, softcap, soft, vs, dtype in [(2, 3, 997, None, None, 0, torch.float
     for threshold in (None, thr):
         kw = dict(softcap=softcap, threshold=threshold, soft_dtype=soft)
         a = S.vocab_stats(x, temp, seed, counter, vs, TPGroup(), **kw)
-        b = S.vocab_stats(x, temp, seed, counter, vs, TPGroup(), kernel=triton_partials, **kw)
+        b = S.vocab_stats(x, temp, seed, counter, vs, TPGroup(), passes=TRITON_PASSES, **kw)
         assert torch.equal(a.greedy, b.greedy) and torch.equal(a.sample, b.sample), (R, P, V)
         for f in ("max_u", "lse_u", "lse_s", "entropy_u", "entropy_s", "lse_soft", "x_sample"):
             d = (getattr(a, f) - getattr(b, f)).abs().max().item()
             assert d < 1e-5 * max(1.0, getattr(a, f).abs().max().item()), (f, d)
+        kw = dict(softcap=softcap, threshold=threshold, soft_dtype=soft)
+        pa = S.torch_probabilities(x, temp, a.lse_soft, **kw)
+        pb = TRITON_PASSES.probabilities(x, temp, a.lse_soft, **kw)
+        assert (pa - pb).abs().max().item() < 1e-6 and torch.equal(pa > 0, pb > 0), (pa - pb).abs().max()
+        assert abs(pa.sum(-1) - 1).max() < 1e-3   # softmax(round(s)) normalised by lse_soft
 print("triton == torch")
 """
 

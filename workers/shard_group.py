@@ -20,6 +20,7 @@ from model.loader import load_model
 from model.parallel.group import TPGroup
 from model.protocol import Command, Events
 from model.runner import Runner
+from model.sampling.stats import TORCH_PASSES, VocabPasses
 
 
 class ShardFailure(RuntimeError):
@@ -33,16 +34,16 @@ def build_runner(model_dir: str, tp: TPGroup, num_slots: int, max_model_len: int
     if model.config.family == "diffusion-gemma":
         renoise = RenoiseDefaults.from_generation(load_generation_defaults(model_dir))
     return Runner(model, num_slots=num_slots, max_model_len=max_model_len, device=device, renoise_defaults=renoise,
-                  max_steps_per_command=max_steps_per_command, sampler_kernel=sampler_kernel(device))
+                  max_steps_per_command=max_steps_per_command, sampler_passes=sampler_passes(device))
 
 
-def sampler_kernel(device: str):
-    """The triton pass of the sampler statistics on CUDA (torch's elsewhere)."""
+def sampler_passes(device: str) -> VocabPasses:
+    """The sampler's passes over the vocabulary: triton's on CUDA, torch's elsewhere."""
     if not str(device).startswith("cuda"):
-        return None
-    from model.kernels.vocab_stats import triton_partials
+        return TORCH_PASSES
+    from model.kernels.vocab_stats import TRITON_PASSES
 
-    return triton_partials
+    return TRITON_PASSES
 
 
 class InProcessShards:

@@ -1,5 +1,5 @@
-"""The sampler statistics' pass over the vocabulary in triton (CUDA): model.sampling.stats' partials in
-one read of each rank's logits slice.
+"""The sampler's passes over the vocabulary in triton (CUDA): model.sampling.stats' partials in one read
+of each rank's logits slice, and the self-conditioning probabilities in one read and one write.
 
 One program per (position, split of the vocabulary slice) streams its split in BLOCK-wide tiles and
 keeps, online (rescaled as its maximum grows): the greedy and Gumbel maxima as order-preserving int64
@@ -12,16 +12,22 @@ depend on its neighbours. model.sampling.stats.combine merges splits and ranks.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from model.sampling.noise import STREAM_GUMBEL
-from model.sampling.stats import NUM_SUMS
+from model.sampling.stats import NUM_SUMS, VocabPasses
 
 BLOCK = 2048
 SPLIT = 16384          # vocabulary entries per program: 8 splits of a 131072 slice
 _ROUNDED = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+# triton's CPU interpreter (the CPU tests) has no libdevice: tanh from exp there, CUDA's tanhf (what
+# torch's tanh runs, so the same bits) on the GPU
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -35,9 +41,11 @@ def _fmix32(h):
 
 
 @triton.jit
-def _tanh(y):
-    """tanh in fp32 to a few ulps (no libdevice: the same code runs in triton's CPU interpreter):
-    its odd Taylor polynomial near 0, (1 - e^-2|y|) / (1 + e^-2|y|) elsewhere."""
+def _tanh(y, INTERPRETED: tl.constexpr):
+    """tanh in fp32: libdevice's on the GPU; in the interpreter, to a few ulps, its odd Taylor polynomial
+    near 0 and (1 - e^-2|y|) / (1 + e^-2|y|) elsewhere."""
+    if not INTERPRETED:
+        return libdevice.tanh(y)
     a = tl.abs(y)
     y2 = y * y
     near = y * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0))))
@@ -70,7 +78,7 @@ def _vocab_stats_kernel(x_ptr, temp_ptr, seed_ptr, counter_ptr, thr_ptr, keys_pt
                         P, V, vocab_start, splits, n_total, softcap,
                         STREAM: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_THR: tl.constexpr,
                         THR_ON_SCALED: tl.constexpr, SAMPLING: tl.constexpr, ROUNDED: tl.constexpr,
-                        SPLIT_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                        INTERPRETED: tl.constexpr, SPLIT_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     n = tl.program_id(0)
     split = tl.program_id(1)
     row = n // P
@@ -101,7 +109,7 @@ def _vocab_stats_kernel(x_ptr, temp_ptr, seed_ptr, counter_ptr, thr_ptr, keys_pt
         inside = cols < V
         u = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
         if HAS_SOFTCAP:
-            u = tl.where(inside, _tanh(u / softcap) * softcap, u)
+            u = tl.where(inside, _tanh(u / softcap, INTERPRETED) * softcap, u)
         s = u / t_eff
         if HAS_THR:
             if THR_ON_SCALED:
@@ -177,7 +185,53 @@ def triton_partials(x: torch.Tensor, temperature: torch.Tensor, seed: torch.Tens
     _vocab_stats_kernel[(n_total, splits)](
         x, temp, seed.contiguous(), counter.contiguous(), thr, keys, sums, P, V, vocab_start, splits, n_total,
         float(softcap or 1.0), STREAM=STREAM_GUMBEL, HAS_SOFTCAP=softcap is not None, HAS_THR=threshold is not None,
-        THR_ON_SCALED=threshold_on_scaled, SAMPLING=sampling, ROUNDED=_ROUNDED[soft_dtype],
+        THR_ON_SCALED=threshold_on_scaled, SAMPLING=sampling, ROUNDED=_ROUNDED[soft_dtype], INTERPRETED=_INTERPRETED,
         SPLIT_SIZE=min(SPLIT, triton.next_power_of_2(V)), BLOCK_SIZE=min(BLOCK, triton.next_power_of_2(V)),
         num_warps=8)
     return keys, sums
+
+
+@triton.jit
+def _probabilities_kernel(x_ptr, temp_ptr, thr_ptr, norm_ptr, out_ptr, P, V, softcap,
+                          HAS_SOFTCAP: tl.constexpr, HAS_THR: tl.constexpr, THR_ON_SCALED: tl.constexpr,
+                          ROUNDED: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    n = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    inside = cols < V
+    temp = tl.load(temp_ptr + n // P)
+    t_eff = tl.where(temp > 0, temp, 1.0)
+    log_norm = tl.load(norm_ptr + n)
+    offset = n.to(tl.int64) * V
+    u = tl.load(x_ptr + offset + cols, mask=inside, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        u = _tanh(u / softcap, INTERPRETED) * softcap
+    s = u / t_eff
+    if HAS_THR:
+        thr = tl.load(thr_ptr + n)
+        if THR_ON_SCALED:
+            s = tl.where(s >= thr, s, -float("inf"))
+        else:
+            s = tl.where(u >= thr, s, -float("inf"))
+    p = tl.exp(_round(s, ROUNDED) - log_norm)
+    tl.store(out_ptr + offset + cols, p.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def triton_probabilities(x: torch.Tensor, temperature: torch.Tensor, log_norm: torch.Tensor, *,
+                         softcap: float | None = None, threshold: torch.Tensor | None = None,
+                         threshold_on_scaled: bool = True, soft_dtype: torch.dtype | None = None,
+                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """model.sampling.stats.torch_probabilities' contract."""
+    R, P, V = x.shape
+    x = x.contiguous()
+    out = torch.empty(R, P, V, dtype=out_dtype, device=x.device)
+    temp = temperature.float().contiguous()
+    thr = threshold.float().contiguous() if threshold is not None else temp
+    block = min(BLOCK, triton.next_power_of_2(V))
+    _probabilities_kernel[(R * P, triton.cdiv(V, block))](
+        x, temp, thr, log_norm.float().contiguous(), out, P, V, float(softcap or 1.0),
+        HAS_SOFTCAP=softcap is not None, HAS_THR=threshold is not None, THR_ON_SCALED=threshold_on_scaled,
+        ROUNDED=_ROUNDED[soft_dtype], INTERPRETED=_INTERPRETED, BLOCK_SIZE=block, num_warps=4)
+    return out
+
+
+TRITON_PASSES = VocabPasses(partials=triton_partials, probabilities=triton_probabilities)

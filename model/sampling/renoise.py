@@ -22,7 +22,7 @@ import torch
 
 from model.parallel.group import TPGroup
 from model.sampling.noise import STREAM_RENOISE, uniform
-from model.sampling.stats import VocabStats, unscaled, vocab_stats
+from model.sampling.stats import TORCH_PASSES, VocabPasses, VocabStats, vocab_stats
 
 
 def temperature(n: torch.Tensor, steps: torch.Tensor, t_min: torch.Tensor, t_max: torch.Tensor) -> torch.Tensor:
@@ -37,16 +37,6 @@ def random_tokens(seed: torch.Tensor, counter: torch.Tensor, positions: int, voc
     One counter-based uniform per position (STREAM_RENOISE), identical on every rank."""
     u = uniform(seed, counter, STREAM_RENOISE, positions, 0, 1)[..., 0]
     return torch.clamp((u * vocab_size).to(torch.int64), max=vocab_size - 1)
-
-
-def probabilities(scaled: torch.Tensor, log_norm: torch.Tensor,
-                  soft_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """This rank's slice [R, C, V_r] of the globally normalised softmax(scaled), fp32, from the logits
-    rounded to `soft_dtype` first (transformers rounds them to the embedding dtype); log_norm [R, C] is
-    the matching log-normaliser (VocabStats.lse_soft)."""
-    if soft_dtype is not None and soft_dtype != torch.float32:
-        scaled = scaled.to(soft_dtype).float()
-    return torch.exp(scaled - log_norm.unsqueeze(-1))
 
 
 def entropy_bound_accept(entropy: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
@@ -85,7 +75,7 @@ class RenoiseStep:
     sample: torch.Tensor       # [R, C] int64: the Gumbel-max sample at T (kept where accepted)
     argmax: torch.Tensor       # [R, C] int64: what a commit feeds and emits
     stats: VocabStats          # the distribution of logprobs (s = filtered u / T)
-    probs: torch.Tensor        # [R, C, V_r] fp32: this rank's slice of softmax(s) for self-conditioning
+    probs: torch.Tensor        # [R, C, V_r] (probs_dtype): this rank's slice of softmax(s), for self-conditioning
     entropy: torch.Tensor      # [R, C]
     accepted: torch.Tensor     # [R, C] bool
     run: torch.Tensor          # [R] the stability run counter to keep
@@ -97,24 +87,22 @@ def renoise_step(logits: torch.Tensor, *, n: torch.Tensor, steps: torch.Tensor, 
                  confidence_threshold: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor,
                  prev_argmax: torch.Tensor, run: torch.Tensor, vocab_start: int, vocab_size: int, tp: TPGroup,
                  threshold: torch.Tensor | None = None, soft_dtype: torch.dtype | None = None,
-                 softcap: float | None = None, kernel=None) -> RenoiseStep:
+                 softcap: float | None = None, passes: VocabPasses = TORCH_PASSES,
+                 probs_dtype: torch.dtype = torch.float32) -> RenoiseStep:
     """One denoise step's sampler for R rows. logits [R, C, V_r]: this rank's raw LM-head output, softcapped
     here with `softcap` (None: already softcapped); every other tensor [R] (prev_argmax [R, C]).
     `counter` is each row's draw counter for this step (one value covers the Gumbel and the renoise
     streams); `threshold` [R, C] the filters' smallest kept softcapped logit (None: no filter);
-    `soft_dtype` the embedding dtype (self-conditioning rounding)."""
+    `soft_dtype` the embedding dtype (self-conditioning rounding); `probs_dtype` the probabilities'."""
     temp = temperature(n, steps, t_min, t_max)
     st = vocab_stats(logits, temp, seed, counter, vocab_start, tp, softcap=softcap, threshold=threshold,
-                     threshold_on_scaled=False, soft_dtype=soft_dtype, kernel=kernel)
+                     threshold_on_scaled=False, soft_dtype=soft_dtype, passes=passes)
     positions = logits.shape[1]
     accepted = entropy_bound_accept(st.entropy_s, entropy_bound)
     canvas = torch.where(accepted, st.sample, random_tokens(seed, counter, positions, vocab_size))
     run, converged = convergence(st.greedy, prev_argmax, run, st.entropy_s, n, steps, stability_threshold,
                                  confidence_threshold)
-    u = unscaled(logits, softcap)
-    scaled = u / temp.view(-1, 1, 1)
-    if threshold is not None:
-        scaled = torch.where(u >= threshold.unsqueeze(-1), scaled, -torch.inf)
-    return RenoiseStep(canvas=canvas, sample=st.sample, argmax=st.greedy, stats=st,
-                       probs=probabilities(scaled, st.lse_soft, soft_dtype), entropy=st.entropy_s,
+    probs = passes.probabilities(logits, temp, st.lse_soft, softcap=softcap, threshold=threshold,
+                                 threshold_on_scaled=False, soft_dtype=soft_dtype, out_dtype=probs_dtype)
+    return RenoiseStep(canvas=canvas, sample=st.sample, argmax=st.greedy, stats=st, probs=probs, entropy=st.entropy_s,
                        accepted=accepted, run=run, converged=converged)

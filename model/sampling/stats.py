@@ -21,12 +21,13 @@ one MAX all-reduce of the keys, then one SUM all-reduce of the sums rescaled to 
 (plus the sampled token's logit, which exactly one rank holds). Nothing vocabulary-wide is gathered,
 and no piece's result depends on other rows: the statistics are batch-invariant by construction.
 
-The pass here is the torch reference (every device; CPU's path). On CUDA the triton kernel computes
-the same partials (`vocab_stats(..., kernel=...)`).
+The passes here are the torch reference (every device; CPU's path). On CUDA the triton kernels compute
+the same partials and probabilities (`passes=model.kernels.vocab_stats.TRITON_PASSES`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -127,6 +128,40 @@ def torch_partials(x: torch.Tensor, temperature: torch.Tensor, seed: torch.Tenso
     return torch.stack([greedy_key, sample_key])[..., None], torch.stack(sums)[..., None]
 
 
+def probabilities(scaled: torch.Tensor, log_norm: torch.Tensor,
+                  soft_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """This rank's slice [R, P, V_r] of the globally normalised softmax(scaled), fp32, from the logits
+    rounded to `soft_dtype` first (transformers rounds them to the embedding dtype); log_norm [R, P] is
+    the matching log-normaliser (VocabStats.lse_soft)."""
+    if soft_dtype is not None and soft_dtype != torch.float32:
+        scaled = scaled.to(soft_dtype).float()
+    return torch.exp(scaled - log_norm.unsqueeze(-1))
+
+
+def torch_probabilities(x: torch.Tensor, temperature: torch.Tensor, log_norm: torch.Tensor, *,
+                        softcap: float | None = None, threshold: torch.Tensor | None = None,
+                        threshold_on_scaled: bool = True, soft_dtype: torch.dtype | None = None,
+                        out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The self-conditioning probabilities softmax(s) of raw logits x [R, P, V_r] (filtered entries 0),
+    in `out_dtype` (the embedding's, which the product with the embedding reads)."""
+    u = _softcap(x.float(), softcap)
+    s = u / effective_temperature(temperature).view(-1, 1, 1)
+    if threshold is not None:
+        s = torch.where((s if threshold_on_scaled else u) >= threshold.unsqueeze(-1), s, -torch.inf)
+    return probabilities(s, log_norm, soft_dtype).to(out_dtype)
+
+
+@dataclass(frozen=True)
+class VocabPasses:
+    """The passes over a rank's logits slice: the statistics' partials and the self-conditioning
+    probabilities. Torch's here; model.kernels.vocab_stats.TRITON_PASSES on CUDA."""
+    partials: Callable = torch_partials
+    probabilities: Callable = torch_probabilities
+
+
+TORCH_PASSES = VocabPasses()
+
+
 # ---- combining pieces ------------------------------------------------------------------------------
 
 def combine(keys: torch.Tensor, sums: torch.Tensor, x: torch.Tensor, temperature: torch.Tensor,
@@ -179,11 +214,9 @@ def value_at(x: torch.Tensor, ids: torch.Tensor, vocab_start: int, tp: TPGroup) 
 def vocab_stats(x: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor,
                 vocab_start: int, tp: TPGroup, *, softcap: float | None = None,
                 threshold: torch.Tensor | None = None, threshold_on_scaled: bool = True, sampling: bool = True,
-                soft_dtype: torch.dtype | None = None, kernel=None) -> VocabStats:
-    """The statistics of x [R, P, V_r] (this rank's raw logits). `kernel`: a partials function with
-    torch_partials' signature (the triton pass on CUDA); None: the torch pass."""
-    partials = kernel or torch_partials
-    keys, sums = partials(x, temperature, seed, counter, vocab_start, softcap=softcap, threshold=threshold,
+                soft_dtype: torch.dtype | None = None, passes: VocabPasses = TORCH_PASSES) -> VocabStats:
+    """The statistics of x [R, P, V_r] (this rank's raw logits), from `passes`' partials."""
+    keys, sums = passes.partials(x, temperature, seed, counter, vocab_start, softcap=softcap, threshold=threshold,
                           threshold_on_scaled=threshold_on_scaled, sampling=sampling, soft_dtype=soft_dtype)
     stats = combine(keys, sums, x, temperature, vocab_start, tp, soft_dtype)
     stats.threshold = threshold

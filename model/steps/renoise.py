@@ -85,7 +85,7 @@ class RenoiseCanvasStep:
             confidence_threshold=self.confidence[idx], seed=t.seed[idx], counter=t.draws[idx],
             prev_argmax=self.prev_argmax[idx], run=self.run[idx], vocab_start=r.model.vocab_start,
             vocab_size=r.model.config.vocab_size, tp=r.tp, threshold=threshold, soft_dtype=self.soft_dtype,
-            softcap=r.model.logit_softcap, kernel=r.sampler.kernel)
+            softcap=r.model.logit_softcap, passes=r.sampler.passes, probs_dtype=self.soft.dtype)
         converged = step.converged & is_denoise
         r.observe("before", "canvas", idx, x)
 

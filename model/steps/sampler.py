@@ -19,12 +19,12 @@ _TOPK_CHUNK = 1 << 25  # elements of int64 keys built at once for top-k capture
 
 
 class RowSampler:
-    def __init__(self, model, slots: SlotTable, kernel=None):
+    def __init__(self, model, slots: SlotTable, passes: S.VocabPasses = S.TORCH_PASSES):
         self.slots, self.tp = slots, model.tp
         self.vocab_start = model.vocab_start
         self.softcap = getattr(model, "logit_softcap", None)
         self.filter_on_scaled = self.softcap is None   # masked diffusion decides filters on logits / T
-        self.kernel = kernel
+        self.passes = passes
 
     def stats(self, x: torch.Tensor, idx: torch.Tensor, plan: RowPlan, temperature: torch.Tensor | None = None,
               soft_dtype: torch.dtype | None = None) -> S.VocabStats:
@@ -34,7 +34,7 @@ class RowSampler:
         threshold = self.threshold(x, idx, plan, temp) if plan.filters else None
         return S.vocab_stats(x, temp, t.seed[idx], t.draws[idx], self.vocab_start, self.tp, softcap=self.softcap,
                              threshold=threshold, threshold_on_scaled=self.filter_on_scaled,
-                             sampling=plan.sampling, soft_dtype=soft_dtype, kernel=self.kernel)
+                             sampling=plan.sampling, soft_dtype=soft_dtype, passes=self.passes)
 
     def threshold(self, x: torch.Tensor, idx: torch.Tensor, plan: RowPlan,
                   temp: torch.Tensor | None = None) -> torch.Tensor:

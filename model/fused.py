@@ -1,0 +1,142 @@
+"""The layers' elementwise chains (norms, residual adds, rotary embeddings, gated activations), each
+one function that runs as one fused kernel on CUDA.
+
+At small batch a forward costs its weight reads plus one kernel per elementwise op: unfused, a layer's
+norms, rotary embedding and gated activation are tens of kernels of a few microseconds each, about as
+long as the reads themselves. On CUDA each function below is compiled by torch.compile (inductor) into
+one kernel; elsewhere it runs as written, and what is written is the reference (transformers' order
+of operations and roundings). Shapes are dynamic: one compilation per function serves every batch.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("dllm.fused")
+
+
+def fused(fn):
+    """fn as one compiled kernel on CUDA. Should inductor fail on this machine, the function runs
+    unfused from then on (slower, same results), and says so once in the log."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args):
+        nonlocal compiled
+        if not args[0].is_cuda or compiled is False:
+            return fn(*args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        try:
+            return compiled(*args)
+        except Exception as err:  # noqa: BLE001 - a compiler failure must not take the server down
+            log.warning("could not fuse %s (%s: %s); running it unfused", fn.__name__, type(err).__name__, err)
+            compiled = False
+            return fn(*args)
+
+    return call
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+# ---- Ministral-3 (Nemotron-Labs-Diffusion) --------------------------------------------------------
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """w * x / rms(x): normalised in fp32, cast back before the weight (Ministral-3's order)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@fused
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms(x, weight, eps)
+
+
+@fused
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, rms_norm(x + residual)): a residual add and the next norm in one pass."""
+    h = x + residual
+    return h, _rms(h, weight, eps)
+
+
+@fused
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           q_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE of q and k, then the Llama-4 query scale (after RoPE)."""
+    q = _rotary(q, cos, sin)
+    if q_scale is not None:
+        q = q * q_scale
+    return q, _rotary(k, cos, sin)
+
+
+@fused
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---- Gemma-4 (DiffusionGemma) ---------------------------------------------------------------------
+
+def _gemma_rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x * (mean(x^2) + eps)^-1/2 [* w], all in fp32 and cast back once (the weight used as is)."""
+    h = x.float()
+    h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        h = h * weight.float()
+    return h.type_as(x)
+
+
+@fused
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return _gemma_rms(x, weight, eps)
+
+
+@fused
+def gemma_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+              eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-head RMS norms of q, k (scaled) and v (unscaled), and RoPE of q and k."""
+    q = _rotary(_gemma_rms(q, q_weight, eps), cos, sin)
+    k = _rotary(_gemma_rms(k, k_weight, eps), cos, sin)
+    return q, k, _gemma_rms(v, None, eps)
+
+
+@fused
+def add_gemma_rms_norm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """h + norm(x): a sublayer's output normed onto the residual."""
+    return h + _gemma_rms(x, weight, eps)
+
+
+@fused
+def gemma_feedforward_inputs(h: torch.Tensor, dense_weight: torch.Tensor, moe_weight: torch.Tensor,
+                             router_scale: torch.Tensor, router_root: float,
+                             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three norms of the residual a feed-forward block reads: the dense MLP's, the experts' and the
+    router's (unscaled norm, then its scale vector and 1/sqrt(hidden))."""
+    return (_gemma_rms(h, dense_weight, eps), _gemma_rms(h, moe_weight, eps),
+            _gemma_rms(h, None, eps) * router_scale * router_root)
+
+
+@fused
+def gemma_feedforward_out(h: torch.Tensor, dense: torch.Tensor, moe: torch.Tensor, w1: torch.Tensor,
+                          w2: torch.Tensor, w: torch.Tensor, layer_scalar: torch.Tensor, eps: float) -> torch.Tensor:
+    """(h + norm(norm_1(dense) + norm_2(moe))) * layer_scalar."""
+    out = _gemma_rms(_gemma_rms(dense, w1, eps) + _gemma_rms(moe, w2, eps), w, eps)
+    return (h + out) * layer_scalar
+
+
+@fused
+def gelu_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
