@@ -214,7 +214,8 @@ def transformers_generate(model_dir: Path, prompt: list[int], fixed: dict) -> di
             torch.cuda.synchronize()
             t = time.perf_counter()
             seq = model.generate(ids, max_new_tokens=n, max_denoising_steps=fixed["max_denoising_steps"],
-                                 t_min=0.4, t_max=0.8, stability_threshold=1, confidence_threshold=0.0,
+                                 # transformers requires a threshold > 0; mean entropy never gets this low
+                                 t_min=0.4, t_max=0.8, stability_threshold=1, confidence_threshold=1e-30,
                                  sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), eos_token_id=None,
                                  pad_token_id=None)
             torch.cuda.synchronize()
@@ -246,9 +247,11 @@ def main() -> None:
     for name, fn in (("nemotron", nemotron), ("gemma", diffusion_gemma)):
         if name not in skip:
             t = time.perf_counter()
-            fn(args.work, bandwidth, result, skip)
-            result[f"{name}_bench_s"] = time.perf_counter() - t
-            args.out.write_text(json.dumps(result, indent=2, default=str))
+            try:
+                fn(args.work, bandwidth, result, skip)
+            finally:  # what was measured is kept when a later part fails
+                result[f"{name}_bench_s"] = time.perf_counter() - t
+                args.out.write_text(json.dumps(result, indent=2, default=str))
     print(json.dumps(result, indent=2, default=str))
     print(summary(result))
     args.out.write_text(json.dumps(result, indent=2, default=str))

@@ -14,6 +14,10 @@ query at position q sees keys (q - W, q]; a denoise row's queries see the last W
 the whole canvas, the window anchored at the canvas start as in transformers (its decoder reads the
 sliding cache layer, which holds the last W - 1 prefix tokens, then appends the canvas).
 
+A prefill (every row starting at position 0) attends to its own keys and values; later steps read
+the cache. Sliding layers of a LayeredKVCache with a ring keep only the last `ring` positions of each
+slot (p at p mod ring, ring = W - 1 + the widest step), so their memory is bounded by the window.
+
 The step's metadata lives in one `StepContext`, made once per forward and read by every layer.
 """
 from __future__ import annotations
@@ -43,18 +47,32 @@ class KVCache:
 
 class LayeredKVCache:
     """A KV cache whose layers differ in shape (DiffusionGemma: sliding layers of 8 KV heads x 256,
-    full layers of 2 x 512). k[layer], v[layer]: [slots + 1, max_len, kv_heads_l, head_dim_l]; the
-    same slot rows, positions and write sink as KVCache, so StepContext and cached_attention serve both."""
+    full layers of 2 x 512). k[layer], v[layer]: [slots + 1, positions, kv_heads_l, head_dim_l], slot
+    `slots` the write sink. Full layers hold max_len positions, like KVCache. With `ring` set, sliding
+    layers hold a ring of `ring` positions instead (position p at p mod ring): their memory is bounded
+    by the window, not the sequence."""
 
     def __init__(self, shapes: list[tuple[int, int]], num_slots: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str):
-        self.k = [torch.zeros(num_slots + 1, max_len, h, d, dtype=dtype, device=device) for h, d in shapes]
-        self.v = [torch.zeros(num_slots + 1, max_len, h, d, dtype=dtype, device=device) for h, d in shapes]
+                 device: torch.device | str, sliding: list[bool] | None = None, ring: int | None = None):
+        sliding = sliding or [False] * len(shapes)
+        self.ring_len = ring if ring is not None and any(sliding) else None
+        self.rings = [bool(self.ring_len) and s for s in sliding]   # which layers are rings
+        lengths = [self.ring_len if r else max_len for r in self.rings]
+        self.k = [torch.zeros(num_slots + 1, n, h, d, dtype=dtype, device=device) for (h, d), n in zip(shapes, lengths)]
+        self.v = [torch.zeros(num_slots + 1, n, h, d, dtype=dtype, device=device) for (h, d), n in zip(shapes, lengths)]
         self.num_slots, self.max_len = num_slots, max_len
 
     @property
     def sink(self) -> int:
         return self.num_slots * self.max_len
+
+
+@dataclass
+class RingView:
+    """How ring-buffer layers write and read in one step (keys: the whole ring of each row's slot)."""
+    write_index: torch.Tensor  # [B * L] flat (slot, position mod ring) of each token; the sink for
+                               # padding and for prefill tokens the ring cannot hold
+    mask: torch.Tensor | None  # [B, 1, L, ring] bool: key j holds position p_j (see ring_positions)
 
 
 @dataclass
@@ -66,6 +84,8 @@ class StepContext:
     mask: torch.Tensor         # [B, 1, L, kv_len] bool, True = attend
     window_mask: torch.Tensor | None = None  # [B, 1, L, kv_len] bool for sliding layers; None: no window
     causal_rows: torch.Tensor | None = None  # [B] bool: prefill / commit rows True, denoise rows False
+    fresh: bool = False        # every row starts at position 0 (a prefill): attend to the step's own keys
+    ring: RingView | None = None  # sliding layers of a ring cache
 
     @classmethod
     def build(cls, kv: KVCache | LayeredKVCache, slots: list[int], starts: list[int], lengths: list[int],
@@ -77,25 +97,11 @@ class StepContext:
         for s, n in zip(starts, lengths):
             if not 0 < n <= width or s + n > kv.max_len:
                 raise ValueError(f"segment [{s}, {s + n}) does not fit width {width} / max_len {kv.max_len}")
-        start = torch.tensor(starts, dtype=torch.int64)
-        length = torch.tensor(lengths, dtype=torch.int64)
-        slot = torch.tensor(slots, dtype=torch.int64)
-        is_causal = torch.tensor(causal, dtype=torch.bool)
-        i = torch.arange(width)
-        token_pos = start[:, None] + i[None, :]                                 # [B, L]
-        real = i[None, :] < length[:, None]
-        write = torch.where(real, slot[:, None] * kv.max_len + token_pos, kv.sink)
-        kv_len = max(s + width for s in starts)
-        kv_len = min(kv_len, kv.max_len)
-        j = torch.arange(kv_len)[None, None, :]                                 # key positions
-        q = token_pos[:, :, None]
-        in_segment = (j >= start[:, None, None]) & (j < (start + length)[:, None, None])
-        visible = (j < start[:, None, None]) | (in_segment & (~is_causal[:, None, None] | (j <= q)))
-        window_mask = None
-        if window is not None:
-            window_mask = sliding_window_mask(visible, token_pos, start, real, is_causal, window).to(device)
-        return cls(kv=kv, slots=slot.to(device), write_index=write.flatten().to(device), kv_len=kv_len,
-                   mask=visible.unsqueeze(1).to(device), window_mask=window_mask, causal_rows=is_causal.to(device))
+        from model.graphs import device_context  # the one builder (it also serves CUDA graphs)
+
+        meta = torch.tensor([slots, starts, lengths, [int(c) for c in causal]], dtype=torch.int64, device=device)
+        kv_len = min(max(s + width for s in starts), kv.max_len)
+        return device_context(kv, meta, width, kv_len, window, fresh=all(s == 0 for s in starts))[0]
 
 
 def sliding_window_mask(visible: torch.Tensor, token_pos: torch.Tensor, start: torch.Tensor, real: torch.Tensor,
@@ -106,13 +112,44 @@ def sliding_window_mask(visible: torch.Tensor, token_pos: torch.Tensor, start: t
     if window < 1:
         raise ValueError(f"sliding window {window} must be >= 1")
     j = torch.arange(visible.shape[-1], device=visible.device)[None, None, :]
+    return (visible & _in_window(j, token_pos, start, real, causal, window)).unsqueeze(1)
+
+
+def _in_window(key_pos: torch.Tensor, token_pos: torch.Tensor, start: torch.Tensor, real: torch.Tensor,
+               causal: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, L, K]: key positions within each query's window."""
     # causal rows: keys (q - W, q]; bidirectional rows: keys (start - W, ...): the last W - 1 prefix
     # keys and, since start > start - W, the whole canvas
     anchor = torch.where(causal[:, None], token_pos, start[:, None])[:, :, None]
     # padding queries keep their full row: a window past a short row's end would leave them no key at
     # all (a NaN row, which the experts' routing would then read)
-    in_window = (j > anchor - window) | ~real[:, :, None]
-    return (visible & in_window).unsqueeze(1)
+    return (key_pos > anchor - window) | ~real[:, :, None]
+
+
+def ring_positions(start: torch.Tensor, width: int, ring: int) -> torch.Tensor:
+    """[B, ring]: the position each ring entry holds once a step's rows [start, start + width) are
+    written: the latest p < start + width with p = j (mod ring) (negative: never written)."""
+    base = (start + width - ring)[:, None]
+    j = torch.arange(ring, device=start.device)[None, :]
+    return base + torch.remainder(j - base, ring)
+
+
+def ring_view(kv: LayeredKVCache, slot: torch.Tensor, start: torch.Tensor, length: torch.Tensor,
+              pos: torch.Tensor, real: torch.Tensor, causal: torch.Tensor, width: int, window: int,
+              fresh: bool) -> RingView:
+    R = kv.ring_len
+    # a prefill longer than the ring keeps its last R tokens (the earlier ones would be overwritten)
+    kept = real & (pos >= (start + length - R)[:, None])
+    write = torch.where(kept, slot[:, None] * R + torch.remainder(pos, R), kv.num_slots * R)
+    if fresh:  # attention reads the step's own keys, under the full-length window mask
+        return RingView(write_index=write.flatten(), mask=None)
+    key_pos = ring_positions(start, width, R)[:, None, :]                  # [B, 1, R]
+    q = pos[:, :, None]
+    first, end = start[:, None, None], (start + length)[:, None, None]
+    written = (key_pos >= 0) & (key_pos < end)
+    visible = (key_pos < first) | (~causal[:, None, None] | (key_pos <= q))
+    mask = written & visible & _in_window(key_pos, pos, start, real, causal, window)
+    return RingView(write_index=write.flatten(), mask=mask.unsqueeze(1))
 
 
 _current: ContextVar[StepContext | None] = ContextVar("step_context", default=None)
@@ -135,16 +172,25 @@ def get_step_context() -> StepContext:
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
                      sliding: bool = False) -> torch.Tensor:
-    """q: [B, L, Hq, D]; k, v: [B, L, Hkv, D] -> [B, L, Hq, D]. `sliding`: read the context's window mask."""
+    """q: [B, L, Hq, D]; k, v: [B, L, Hkv, D] -> [B, L, Hq, D]. `sliding`: a sliding-window layer (its
+    window mask; its ring when the cache has rings)."""
     ctx = get_step_context()
     cache_k, cache_v = ctx.kv.k[layer], ctx.kv.v[layer]
     assert not sliding or ctx.window_mask is not None, "a sliding layer needs StepContext.build(..., window=W)"
+    ring = ctx.ring if ctx.ring is not None and ctx.kv.rings[layer] else None
     hkv, d = k.shape[-2:]
-    cache_k.view(-1, hkv, d).index_copy_(0, ctx.write_index, k.reshape(-1, hkv, d))
-    cache_v.view(-1, hkv, d).index_copy_(0, ctx.write_index, v.reshape(-1, hkv, d))
-    keys = cache_k[ctx.slots, : ctx.kv_len]      # [B, K, Hkv, D]
-    values = cache_v[ctx.slots, : ctx.kv_len]
+    write = ring.write_index if ring is not None else ctx.write_index
+    cache_k.view(-1, hkv, d).index_copy_(0, write, k.reshape(-1, hkv, d))
+    cache_v.view(-1, hkv, d).index_copy_(0, write, v.reshape(-1, hkv, d))
+    if ctx.fresh:      # a prefill: its own keys are every key it reads
+        keys, values = k, v
+        mask = ctx.window_mask if sliding else ctx.mask
+    elif ring is not None:
+        keys, values, mask = cache_k[ctx.slots], cache_v[ctx.slots], ring.mask
+    else:
+        keys, values = cache_k[ctx.slots, : ctx.kv_len], cache_v[ctx.slots, : ctx.kv_len]   # [B, K, Hkv, D]
+        mask = ctx.window_mask if sliding else ctx.mask
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=ctx.window_mask if sliding else ctx.mask, scale=scale, enable_gqa=True)
+        attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)

@@ -219,10 +219,18 @@ class GemmaExperts(nn.Module):
 
 def _grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Rows of x [N, in] sorted by group, group g = rows [ends[g-1], ends[g]) -> x_g @ w[g]^T ([E, out, in])."""
-    if hasattr(F, "grouped_mm"):
+    if _grouped_mm_takes(x):
         return F.grouped_mm(x, w.transpose(1, 2), offs=ends)
-    starts = [0, *ends.tolist()[:-1]]  # older torch: one host sync per call
-    return torch.cat([x[s:e] @ w[g].T for g, (s, e) in enumerate(zip(starts, ends.tolist()))])
+    # every row with its own group's weight: dtypes grouped_mm lacks (fp32 on CUDA, the tests' float64);
+    # no host sync, but N weight copies, so only for the small models those run
+    group = torch.searchsorted(ends, torch.arange(x.shape[0], device=x.device, dtype=ends.dtype), right=True)
+    return torch.einsum("ni,noi->no", x, w[group])
+
+
+def _grouped_mm_takes(x: torch.Tensor) -> bool:
+    if not hasattr(F, "grouped_mm"):
+        return False
+    return x.dtype == torch.bfloat16 or (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float16))
 
 
 class DiffusionGemmaDecoderLayer(nn.Module):
@@ -348,6 +356,10 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
     def kv_layer_shapes(self) -> list[tuple[int, int]]:
         """(KV heads on this rank, head_dim) per layer: what a model.attention.LayeredKVCache needs."""
         return [(layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in self.decoder.layers]
+
+    @property
+    def kv_layer_sliding(self) -> list[bool]:
+        return [layer.self_attn.is_sliding for layer in self.decoder.layers]
 
     @property
     def sliding_window(self) -> int:

@@ -16,16 +16,17 @@ from typing import Callable
 
 import torch
 
-from model.attention import StepContext, sliding_window_mask
+from model.attention import StepContext, ring_view, sliding_window_mask
 
 KEY_BUCKET = 256
 
 
-def device_context(kv, meta: torch.Tensor, width: int, kv_len: int,
-                   window: int | None = None) -> tuple[StepContext, torch.Tensor]:
+def device_context(kv, meta: torch.Tensor, width: int, kv_len: int, window: int | None = None,
+                   fresh: bool = False) -> tuple[StepContext, torch.Tensor]:
     """The StepContext of rows described by `meta` [4, B] (slots, starts, lengths, causal), computed
     with device ops only (no host values, so it can be captured). Returns it and positions [B, width].
-    `window`: the sliding window of sliding-attention layers (DiffusionGemma), None for none."""
+    `window`: the sliding window of sliding-attention layers (DiffusionGemma), None for none;
+    `fresh`: every row starts at 0 (a prefill), so attention reads the step's own keys."""
     slot, start, length, causal = meta[0], meta[1], meta[2], meta[3].bool()
     i = torch.arange(width, device=meta.device)
     pos = start[:, None] + i[None, :]
@@ -36,8 +37,13 @@ def device_context(kv, meta: torch.Tensor, width: int, kv_len: int,
     in_segment = (j >= first) & (j < end)
     visible = (j < first) | (in_segment & (~causal[:, None, None] | (j <= pos[:, :, None])))
     window_mask = None if window is None else sliding_window_mask(visible, pos, start, real, causal, window)
+    ring = None
+    if getattr(kv, "ring_len", None):
+        if not fresh and width > kv.ring_len:
+            raise ValueError(f"a step of width {width} after a prefill does not fit the ring of {kv.ring_len}")
+        ring = ring_view(kv, slot, start, length, pos, real, causal, width, window, fresh)
     ctx = StepContext(kv=kv, slots=slot, write_index=write.flatten(), kv_len=kv_len, mask=visible.unsqueeze(1),
-                      window_mask=window_mask, causal_rows=causal)
+                      window_mask=window_mask, causal_rows=causal, fresh=fresh, ring=ring)
     return ctx, pos
 
 

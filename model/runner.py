@@ -43,7 +43,9 @@ class Runner:
         dtype = next(model.parameters()).dtype
         # + C: a canvas (or a verify) may write scratch KV past the budget's last token
         if hasattr(model, "kv_layer_shapes"):
-            self.kv = LayeredKVCache(model.kv_layer_shapes, num_slots, max_model_len + self.C, dtype, self.device)
+            # sliding layers keep a ring of the window plus one canvas (what a canvas's queries read)
+            self.kv = LayeredKVCache(model.kv_layer_shapes, num_slots, max_model_len + self.C, dtype, self.device,
+                                     sliding=model.kv_layer_sliding, ring=model.sliding_window - 1 + self.C)
         else:
             layers, kv_heads, head_dim = model.kv_shape
             self.kv = KVCache(layers, num_slots, max_model_len + self.C, kv_heads, head_dim, dtype, self.device)
@@ -139,12 +141,12 @@ class Runner:
     # ---- what the step kinds share ----------------------------------------------------------------
     def forward(self, idx: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor, width: int,
                 causal: torch.Tensor, kv_len: int, lengths: torch.Tensor | None = None,
-                soft: torch.Tensor | None = None) -> torch.Tensor:
+                soft: torch.Tensor | None = None, fresh: bool = False) -> torch.Tensor:
         """Rows idx [B] of tokens [B, width] at positions starts + [0, width) (real up to `lengths`,
-        default all) -> hidden [B, width, H]. Device ops only."""
+        default all) -> hidden [B, width, H]; `fresh`: a prefill (every start 0). Device ops only."""
         lengths = torch.full_like(starts, width) if lengths is None else lengths
         meta = torch.stack([idx, starts, lengths, causal.long()])
-        ctx, positions = device_context(self.kv, meta, width, kv_len, self.window)
+        ctx, positions = device_context(self.kv, meta, width, kv_len, self.window, fresh)
         with step_context(ctx):
             if self.renoise is not None:
                 return self.model(tokens, positions, soft)

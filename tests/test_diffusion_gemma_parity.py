@@ -73,7 +73,7 @@ def run(model, kv, rows, window: int | None = None) -> torch.Tensor:
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     soft = None
     if any(r[4] is not None for r in rows):
-        soft = torch.zeros(len(rows), width, model.config.hidden_size)
+        soft = torch.zeros(len(rows), width, model.config.hidden_size, dtype=next(model.parameters()).dtype)
     for b, (_, _, _, tokens, s) in enumerate(rows):
         ids[b, : len(tokens)] = torch.as_tensor(tokens)
         if s is not None:
@@ -217,6 +217,34 @@ def test_mixed_rows_in_one_forward_match_transformers(ours, ref):
     assert (logits[2] - ref_encode(ref, caches[2], cc, 5)).abs().max() < TOL
     ref_encode(ref, caches[3], pd, 0)
     assert (logits[3] - ref_denoise(ref, caches[3], cd, sc_d)).abs().max() < TOL
+
+
+def test_ring_cache_of_sliding_layers_equals_the_full_cache(tiny_dir):
+    """Sliding layers keeping only a ring of W - 1 + C positions give the logits of a full cache, over a
+    prefill longer than the ring (it keeps its last R tokens) and canvases that carry the window past
+    the ring's wrap, with rows of two slots denoising and committing together. In float64: the two
+    attend to the same keys in another order, so they differ by rounding only (~1e-15 here, where fp32
+    rounding, amplified by the random model, reaches 1e-5: a wrong key would be O(1))."""
+    ours = load_model(tiny_dir, dtype=torch.float64, show_progress=False)
+    W, C = ours.sliding_window, ours.config.canvas_length
+    R = W - 1 + C
+    full = LayeredKVCache(ours.kv_layer_shapes, 2, 160, torch.float64, "cpu")
+    ring = LayeredKVCache(ours.kv_layer_shapes, 2, 160, torch.float64, "cpu", sliding=ours.kv_layer_sliding, ring=R)
+    assert [k.shape[1] for k in ring.k] == [R if s else 160 for s in ours.kv_layer_sliding] and R < 160
+    gen = torch.Generator().manual_seed(7)
+    p0, p1 = tokens(gen, 3 * R + 2), tokens(gen, 5)
+    steps = [[(0, 0, True, p0, None)], [(1, 0, True, p1, None)]]
+    starts = [len(p0), len(p1)]
+    for _ in range(4):   # per canvas: two denoise steps of both slots, then both commit
+        canvases = [tokens(gen, C), tokens(gen, C)]
+        steps.append([(s, starts[s], False, canvases[s], None) for s in (0, 1)])
+        steps.append([(s, starts[s], False, tokens(gen, C),
+                       torch.randn(C, ours.config.hidden_size, generator=gen, dtype=torch.float64)) for s in (0, 1)])
+        steps.append([(s, starts[s], True, canvases[s], None) for s in (0, 1)])
+        starts = [n + C for n in starts]
+    for rows in steps:
+        a, b = run(ours, full, rows), run(ours, ring, rows)
+        assert (a - b).abs().max() < 1e-10
 
 
 def test_sliding_window_masks():

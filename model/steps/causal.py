@@ -30,7 +30,7 @@ class CausalSteps:
         lengths = lengths_host.to(r.device, non_blocking=True)
         tokens = host.to(r.device, non_blocking=True)
         causal = torch.ones(len(slots), dtype=torch.bool, device=r.device)
-        hidden = r.forward(idx, tokens, torch.zeros_like(lengths), width, causal, width, lengths=lengths)
+        hidden = r.forward(idx, tokens, torch.zeros_like(lengths), width, causal, width, lengths=lengths, fresh=True)
         t.length[idx] = lengths
         r.outputs.add_counters(forwards=len(slots))
         if r.renoise is not None:  # a uniform-noise canvas needs no prediction from the prefix
