@@ -158,16 +158,16 @@ def format_report(s: dict, percentiles: list[float], metrics: list[str]) -> str:
 def format_sweep(summaries: list[dict], percentile: float) -> str:
     """One row per concurrency level: the figures the plot shows, for a terminal."""
     p = f"P{percentile:g}"
-    head = (f"{'concurrency':>11} {'req/s':>7} {'out tok/s':>10} {'TTFT mean':>10} {'TTFT ' + p:>10} "
-            f"{'ITL mean':>9} {'ITL ' + p:>9} {'tok/step':>8}")
-    rows = [_rule(" Concurrency Sweep ", "="), head, f"{'':>11} {'':>7} {'':>10} {'(ms)':>10} {'(ms)':>10} "
-            f"{'(ms)':>9} {'(ms)':>9} {'':>8}"]
+    head = (f"{'concurrency':>11} {'req/s':>7} {'out tok/s':>10} {'TTFT mean':>10} {'TTFT ' + p:>9} "
+            f"{'ITL mean':>9} {'ITL ' + p:>9} {'tok/step':>9}")
+    units = f"{'':>11} {'':>7} {'':>10} {'(ms)':>10} {'(ms)':>9} {'(ms)':>9} {'(ms)':>9} {'':>9}"
+    rows = [" Concurrency Sweep ".center(len(head), "="), head, units]
     for s in summaries:
         d = s["diffusion"]
         per_step = "-" if d is None or d["committed_per_step"] is None else f"{d['committed_per_step']:.2f}"
         c = "none" if s["max_concurrency"] is None else str(s["max_concurrency"])
         rows.append(f"{c:>11} {s['request_throughput']:>7.2f} {s['output_throughput']:>10.1f} "
-                    f"{s['mean_ttft_ms']:>10.1f} {s[f'p{percentile:g}_ttft_ms']:>10.1f} "
-                    f"{s['mean_itl_ms']:>9.1f} {s[f'p{percentile:g}_itl_ms']:>9.1f} {per_step:>8}")
-    rows.append(_rule("", "="))
+                    f"{s['mean_ttft_ms']:>10.1f} {s[f'p{percentile:g}_ttft_ms']:>9.1f} "
+                    f"{s['mean_itl_ms']:>9.1f} {s[f'p{percentile:g}_itl_ms']:>9.1f} {per_step:>9}")
+    rows.append("=" * len(head))
     return "\n".join(rows)
