@@ -45,7 +45,7 @@ DEFINITIONS = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.serve_bench", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without the endpoint path")
     p.add_argument("--endpoint", default="/v1/completions")
@@ -177,8 +177,12 @@ async def run_level(client: httpx.AsyncClient, url: str, bodies: list[dict], pro
 
 
 async def served_model(client: httpx.AsyncClient, base: str) -> str:
-    r = await client.get(f"{base}/v1/models")
-    r.raise_for_status()
+    try:
+        r = await client.get(f"{base}/v1/models")
+        r.raise_for_status()
+    except httpx.HTTPError as err:
+        raise SystemExit(f"could not list the models at {base}/v1/models ({type(err).__name__}: {err}); "
+                         "is the server up? --model skips this") from None
     return r.json()["data"][0]["id"]
 
 
@@ -201,6 +205,8 @@ async def bench(args: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(headers=headers, timeout=args.request_timeout, limits=limits) as client:
         model = args.model or await served_model(client, base)
         tokenizer = load_tokenizer(args.tokenizer or model)
+        if tokenizer is None and args.tokenizer:  # asked for by name: falling back would hide a typo
+            raise SystemExit(f"no tokenizer at {args.tokenizer} (loaded offline: a directory or a cached hub name)")
         prompts = make_prompts(args, tokenizer)
         bodies = [request_body(args, model, p) for p in prompts.prompts]
         print(f"Model: {model}\nPrompts: {args.num_prompts} x {prompts.source}\n"
