@@ -84,6 +84,9 @@ class OpenAIIngress:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.vocab_size = len(self.tokenizer)
         self.defaults = self.args.decode_defaults()
+        from model.config import load_model_config
+
+        self.canvas_length = load_model_config(self.model_dir).canvas_length  # for usage.diffusion.canvas_positions
 
     # ---- endpoints ------------------------------------------------------------------------------
     @app.get("/health")
@@ -249,11 +252,10 @@ class OpenAIIngress:
         return ChatCompletionStreamResponse(id=chunk_id, model=self.model_name, choices=[ChatStreamChoice(
             index=0, delta=ChatDelta(content=delta.text), logprobs=logprobs, finish_reason=delta.finish_reason)])
 
-    @staticmethod
-    def _usage(prompt: list[int], completion_tokens: int, last) -> Usage:
+    def _usage(self, prompt: list[int], completion_tokens: int, last) -> Usage:
         if last is None or last.denoising_steps == 0 and last.canvases == 0:
             return Usage.of(len(prompt), completion_tokens)
-        return Usage.of(len(prompt), completion_tokens, last.denoising_steps, last.canvases)
+        return Usage.of(len(prompt), completion_tokens, last.denoising_steps, last.canvases, self.canvas_length)
 
 
 def build_app(args: dict):

@@ -206,16 +206,20 @@ def _id(prefix: str) -> str:
 
 class DiffusionUsage(BaseModel):
     """Diffusion metrics of one request (SPEC.md section 8): `denoising_steps` excludes commits,
-    `canvases` counts commits; derived ratios are None when their denominator is 0 (AR mode)."""
+    `canvases` counts commits, `canvas_positions` the positions those denoising steps evaluated
+    (every one is a forward over the whole canvas); derived ratios are None when their denominator is
+    0 (AR mode)."""
 
     denoising_steps: int
     canvases: int
+    canvas_positions: int
     steps_per_canvas: float | None = None   # denoising_steps / canvases
     tokens_per_step: float | None = None    # completion tokens / denoising_steps
 
     @classmethod
-    def of(cls, denoising_steps: int, canvases: int, completion_tokens: int) -> "DiffusionUsage":
+    def of(cls, denoising_steps: int, canvases: int, completion_tokens: int, canvas_length: int) -> "DiffusionUsage":
         return cls(denoising_steps=denoising_steps, canvases=canvases,
+                   canvas_positions=denoising_steps * canvas_length,
                    steps_per_canvas=denoising_steps / canvases if canvases else None,
                    tokens_per_step=completion_tokens / denoising_steps if denoising_steps else None)
 
@@ -228,10 +232,11 @@ class Usage(BaseModel):
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, denoising_steps: int | None = None,
-           canvases: int | None = None) -> "Usage":
+           canvases: int | None = None, canvas_length: int | None = None) -> "Usage":
         diffusion = None
         if denoising_steps is not None:
-            diffusion = DiffusionUsage.of(denoising_steps, canvases or 0, completion_tokens)
+            assert canvas_length is not None, "diffusion usage needs the canvas length"
+            diffusion = DiffusionUsage.of(denoising_steps, canvases or 0, completion_tokens, canvas_length)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens, diffusion=diffusion)
 

@@ -141,7 +141,8 @@ def test_decode_params_errors_name_the_fields():
 def _completion_response(tok, ids, lps, top):
     text = tok.decode(ids)
     lp = completion_logprobs(tok, ids, lps, top, 5)
-    return CompletionResponse(model="tiny", usage=Usage.of(5, len(ids), denoising_steps=6, canvases=2),
+    usage = Usage.of(5, len(ids), denoising_steps=6, canvases=2, canvas_length=32)
+    return CompletionResponse(model="tiny", usage=usage,
                               choices=[CompletionChoice(text=text, logprobs=lp, finish_reason="length")])
 
 
@@ -157,8 +158,8 @@ def test_openai_types_parse_completion(tok):
     assert c.choices[0].logprobs.top_logprobs[0] == {"The": -0.1, "</s>": -9999.0}
     assert c.choices[0].logprobs.text_offset[:2] == [5, 5 + len(tok.decode(ids[:1]))]
     assert c.usage.total_tokens == 5 + len(ids)
-    assert c.usage.model_extra["diffusion"] == {"denoising_steps": 6, "canvases": 2, "steps_per_canvas": 3.0,
-                                                "tokens_per_step": len(ids) / 6}
+    assert c.usage.model_extra["diffusion"] == {"denoising_steps": 6, "canvases": 2, "canvas_positions": 6 * 32,
+                                                "steps_per_canvas": 3.0, "tokens_per_step": len(ids) / 6}
     chunk = CompletionStreamResponse(model="tiny", choices=[CompletionChoice(text="x", finish_reason="stop")])
     assert Completion.model_validate(json.loads(chunk.model_dump_json())).choices[0].text == "x"
     last = CompletionStreamResponse(model="tiny", choices=[], usage=Usage.of(3, 4))
