@@ -25,8 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.shapes import NEMOTRON_LD_8B, write_diffusion_gemma_shapes, write_shapes
-from model.loader import load_model
+from benchmarks.shapes import write_diffusion_gemma_shapes, write_shapes
 from model.protocol import Command, NewSlot
 from model.runner import Runner
 from model.sampling.params import DecodeParams

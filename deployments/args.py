@@ -23,7 +23,9 @@ class AppArgs(BaseModel):
     max_num_seqs: int = Field(8, ge=1, description="slots per replica")
     max_model_len: int = Field(2048, ge=1)
     max_queue: int = Field(64, ge=0, description="requests waiting for a slot before 429")
-    max_steps_per_command: int = Field(32, ge=1)
+    # A command runs this many steps on the shards without a host read; a request that finishes
+    # mid-command waits for its end (latency), a shorter command costs more round trips (throughput).
+    max_steps_per_command: int = Field(8, ge=1, le=256)
     num_replicas: int = Field(1, ge=1)
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     api_key: str | None = None

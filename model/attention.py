@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class KVCache:
@@ -190,7 +191,14 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     else:
         keys, values = cache_k[ctx.slots, : ctx.kv_len], cache_v[ctx.slots, : ctx.kv_len]   # [B, K, Hkv, D]
         mask = ctx.window_mask if sliding else ctx.mask
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=mask, scale=scale, enable_gqa=True)
+    q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+    if q.is_cuda and q.shape[-1] > 256:
+        # flash and cuDNN take head_dim <= 256; the memory-efficient kernel (GQA heads repeated for it)
+        # beats the math fallback ~3x at DiffusionGemma's 512 (0.24 against 0.65 ms on an H200)
+        repeat = q.shape[1] // keys.shape[1]
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            out = F.scaled_dot_product_attention(q, keys.repeat_interleave(repeat, 1),
+                                                 values.repeat_interleave(repeat, 1), attn_mask=mask, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)

@@ -267,7 +267,6 @@ def test_generation_matches_transformers_generate_with_our_draws(ours, ref, monk
     then a causal commit of the argmax canvas. transformers' generate draws through our counter-based
     noise (its torch.multinomial and torch.randint replaced); both must emit the same tokens."""
     from model.sampling import renoise as RN
-    from transformers.models.diffusion_gemma import generation_diffusion_gemma as G
 
     N, canvases, seed = 6, 2, torch.tensor([77])
     # a random model's argmax never settles, so early stopping here comes from confidence alone

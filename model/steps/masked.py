@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from model.parallel.group import TPGroup
 from model.sampling.reveal import reveal
 from model.slots import COMMIT, DENOISE, DONE, DRAFT, VERIFY, Scores
 from model.steps.plan import RowPlan

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from model.parallel.group import TPGroup
 from model.sampling import stats as S
 from model.sampling.filters import keep_threshold
 from model.slots import Scores, SlotTable
@@ -26,24 +25,20 @@ class RowSampler:
         self.filter_on_scaled = self.softcap is None   # masked diffusion decides filters on logits / T
         self.passes = passes
 
-    def stats(self, x: torch.Tensor, idx: torch.Tensor, plan: RowPlan, temperature: torch.Tensor | None = None,
-              soft_dtype: torch.dtype | None = None) -> S.VocabStats:
-        """x [B, P, V_r] raw logits of rows idx; `temperature` [B] overrides the rows' own (a schedule)."""
+    def stats(self, x: torch.Tensor, idx: torch.Tensor, plan: RowPlan) -> S.VocabStats:
+        """x [B, P, V_r] raw logits of rows idx, at the rows' own temperatures."""
         t = self.slots
-        temp = t.temperature[idx] if temperature is None else temperature
-        threshold = self.threshold(x, idx, plan, temp) if plan.filters else None
-        return S.vocab_stats(x, temp, t.seed[idx], t.draws[idx], self.vocab_start, self.tp, softcap=self.softcap,
-                             threshold=threshold, threshold_on_scaled=self.filter_on_scaled,
-                             sampling=plan.sampling, soft_dtype=soft_dtype, passes=self.passes)
+        threshold = self.threshold(x, idx, plan) if plan.filters else None
+        return S.vocab_stats(x, t.temperature[idx], t.seed[idx], t.draws[idx], self.vocab_start, self.tp,
+                             softcap=self.softcap, threshold=threshold, threshold_on_scaled=self.filter_on_scaled,
+                             sampling=plan.sampling, passes=self.passes)
 
-    def threshold(self, x: torch.Tensor, idx: torch.Tensor, plan: RowPlan,
-                  temp: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, P]: the smallest kept value (in the space the filter is decided in), -inf for no filter.
-        `temp` [B]: the rows' temperatures where filters are decided on logits / T."""
+    def threshold(self, x: torch.Tensor, idx: torch.Tensor, plan: RowPlan) -> torch.Tensor:
+        """[B, P]: the smallest kept value (in the space the filter is decided in), -inf for no filter."""
         t = self.slots
         base = S.unscaled(x, self.softcap)
         if self.filter_on_scaled:
-            base = base / S.effective_temperature(t.temperature[idx] if temp is None else temp).view(-1, 1, 1)
+            base = base / S.effective_temperature(t.temperature[idx]).view(-1, 1, 1)
         return keep_threshold(base, self.vocab_start, self.tp, t.top_k[idx] if plan.filter_top_k else None,
                               plan.filter_top_k, t.top_p[idx] if plan.filter_top_p else None)
 
