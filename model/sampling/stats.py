@@ -56,7 +56,7 @@ class VocabStats:
 
     def u_of(self, x: torch.Tensor, softcap: float | None) -> torch.Tensor:
         """u of raw logits (e.g. x_sample), the same elementwise map as the pass."""
-        return _softcap(x.float(), softcap)
+        return unscaled(x, softcap)
 
     def logprob_s(self, u_tok: torch.Tensor) -> torch.Tensor:
         """log softmax(s)[tok] from the token's u: its logprob under the row's (scaled) distribution."""
@@ -66,7 +66,8 @@ class VocabStats:
 # ---- keys -----------------------------------------------------------------------------------------
 
 def encode_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """fp32 values, global int64 ids (< 2^32) -> int64 keys ordered by value, then by lower id."""
+    """values (compared as fp32), global int64 ids (< 2^32) -> int64 keys ordered by value, then by
+    lower id."""
     bits = values.float().contiguous().view(torch.int32).to(torch.int64)
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     return (ordered << 32) | (_LOW32 - ids)
@@ -85,14 +86,20 @@ def _softcap(u: torch.Tensor, cap: float | None) -> torch.Tensor:
     return u if cap is None else torch.tanh(u / cap) * cap
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """fp32, or the input's own precision where higher (an fp64 model stays fp64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def effective_temperature(temperature: torch.Tensor) -> torch.Tensor:
     """T of s = u / T: the row's temperature, 1 for greedy rows (T = 0)."""
     return torch.where(temperature > 0, temperature, 1.0)
 
 
 def unscaled(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """u: fp32, softcapped; what filters are decided on (DiffusionGemma) or divided by T (Nemotron)."""
-    return _softcap(x.float(), softcap)
+    """u: fp32 (fp64 for fp64 logits), softcapped; what filters are decided on (DiffusionGemma) or
+    divided by T (Nemotron)."""
+    return _softcap(_upcast(x), softcap)
 
 
 def torch_partials(x: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor,
@@ -101,8 +108,8 @@ def torch_partials(x: torch.Tensor, temperature: torch.Tensor, seed: torch.Tenso
                    soft_dtype: torch.dtype | None = None):
     """Partials of one piece (this rank's whole slice): keys [2, R, P, 1], sums [5, R, P, 1]."""
     R, P, V = x.shape
-    u = _softcap(x.float(), softcap)
-    temp = temperature.view(R, 1, 1)
+    u = unscaled(x, softcap)
+    temp = temperature.view(R, 1, 1).to(u.dtype)
     s = u / effective_temperature(temp)
     if threshold is not None:
         keep = (s if threshold_on_scaled else u) >= threshold.unsqueeze(-1)
@@ -116,7 +123,10 @@ def torch_partials(x: torch.Tensor, temperature: torch.Tensor, seed: torch.Tenso
                                  greedy_key)
     else:
         sample_key = greedy_key
-    m_safe = torch.where(torch.isfinite(m), m, 0.0).unsqueeze(-1)
+    # the sums' reference point is the maximum as its key holds it (fp32): pieces then combine from
+    # their keys alone, exactly, whatever the logits' precision
+    m_key = decode_keys(greedy_key)[0].to(u.dtype)
+    m_safe = torch.where(torch.isfinite(m_key), m_key, 0.0).unsqueeze(-1)
     m_s = m_safe / effective_temperature(temp)
     du, ds = u - m_safe, s - m_s
     eu, es = torch.exp(du), torch.exp(ds)
@@ -144,8 +154,8 @@ def torch_probabilities(x: torch.Tensor, temperature: torch.Tensor, log_norm: to
                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The self-conditioning probabilities softmax(s) of raw logits x [R, P, V_r] (filtered entries 0),
     in `out_dtype` (the embedding's, which the product with the embedding reads)."""
-    u = _softcap(x.float(), softcap)
-    s = u / effective_temperature(temperature).view(-1, 1, 1)
+    u = unscaled(x, softcap)
+    s = u / effective_temperature(temperature).view(-1, 1, 1).to(u.dtype)
     if threshold is not None:
         s = torch.where((s if threshold_on_scaled else u) >= threshold.unsqueeze(-1), s, -torch.inf)
     return probabilities(s, log_norm, soft_dtype).to(out_dtype)
@@ -172,7 +182,8 @@ def combine(keys: torch.Tensor, sums: torch.Tensor, x: torch.Tensor, temperature
     m, greedy = decode_keys(best[0])
     _, sample = decode_keys(best[1])
     m_piece, _ = decode_keys(keys[0])         # [R, P, pieces]: a piece's greedy key holds its max u
-    temp = effective_temperature(temperature).view(-1, 1, 1)
+    m, m_piece = m.to(sums.dtype), m_piece.to(sums.dtype)
+    temp = effective_temperature(temperature).view(-1, 1, 1).to(sums.dtype)
     m_g = torch.where(torch.isfinite(m), m, 0.0).unsqueeze(-1)
     m_p = torch.where(torch.isfinite(m_piece), m_piece, 0.0)
     # a piece's maximum of s is its maximum of u divided by T (division is monotone): what the pass used
@@ -202,7 +213,7 @@ def _value_at(x: torch.Tensor, ids: torch.Tensor, vocab_start: int) -> torch.Ten
     """x[..., ids] as fp32 where this rank holds the id, 0 elsewhere (a SUM over ranks picks the owner's)."""
     local = ids - vocab_start
     mine = (local >= 0) & (local < x.shape[-1])
-    picked = torch.gather(x, -1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1).float()
+    picked = _upcast(torch.gather(x, -1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1))
     return torch.where(mine, picked, 0.0)
 
 
