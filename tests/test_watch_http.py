@@ -1,6 +1,7 @@
 """Watching the server over real HTTP on tiny checkpoints (CPU): provisional streaming of drafts (both
 families, raw SSE and the real `openai` client), the playground page in headless Chromium, and the
 Prometheus metrics moving by exactly what a known amount of traffic adds."""
+import concurrent.futures as cf
 import json
 import os
 import re
@@ -180,28 +181,6 @@ def test_metrics_move_by_what_the_traffic_added(server):
     assert delta("dllm_shard_restarts_total") == 0
 
 
-def test_a_shard_restart_and_its_503_are_counted(server):
-    before = scrape(server, "n")
-    pids = serve.get_deployment_handle("Coordinator", app_name="n").stats.remote().result()["shard_pids"]
-    body = {"model": "tiny", "prompt": "doomed", "max_tokens": 320, "ignore_eos": True, "stream": True,
-            "diffusion": {"policy": "low_confidence"}}
-    with httpx.stream("POST", f"{server}/n/v1/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        for line in lines:
-            if line.startswith("data: {") and "error" not in line:
-                os.kill(pids[0], signal.SIGKILL)   # the request is running: kill its only shard
-                break
-        rest = list(lines)
-    assert any('"error"' in line for line in rest)
-    wait_until(lambda: scrape(server, "n").get("dllm_shard_restarts_total", 0) > before["dllm_shard_restarts_total"],
-               60, "the shard group to be rebuilt")
-    after = scrape(server, "n")
-    assert after["dllm_shard_restarts_total"] - before["dllm_shard_restarts_total"] == 1
-    assert after["dllm_shard_failures_total"] - before["dllm_shard_failures_total"] == 1
-    assert after.get('dllm_requests_total{endpoint="completions",status="503"}', 0) - \
-        before.get('dllm_requests_total{endpoint="completions",status="503"}', 0) == 1
-
-
 # ------------------------------------------------------------------------------------------- playground
 
 @pytest.fixture(scope="module")
@@ -271,3 +250,30 @@ def test_playground_draws_the_canvas_filling_in(server, browser, tmp_path):
     if os.environ.get("DLLM_PLAYGROUND_SCREENSHOT"):  # how docs/playground.png is made
         shutil.copy(replayed, Path(os.environ["DLLM_PLAYGROUND_SCREENSHOT"]))
     page.close()
+
+
+# ----------------------------------------------------------------- a failure (last: it rebuilds the shards)
+
+def test_a_shard_restart_and_its_503_are_counted(server):
+    before = scrape(server, "n")
+    # in a thread: playwright's sync API keeps an event loop running in this one, where handles refuse to block
+    with cf.ThreadPoolExecutor(1) as pool:
+        pids = pool.submit(lambda: serve.get_deployment_handle("Coordinator", app_name="n").stats.remote().result()
+                           ).result()["shard_pids"]
+    body = {"model": "tiny", "prompt": "doomed", "max_tokens": 320, "ignore_eos": True, "stream": True,
+            "diffusion": {"policy": "low_confidence"}}
+    with httpx.stream("POST", f"{server}/n/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {") and "error" not in line:
+                os.kill(pids[0], signal.SIGKILL)   # the request is running: kill its only shard
+                break
+        rest = list(lines)
+    assert any('"error"' in line for line in rest)
+    wait_until(lambda: scrape(server, "n").get("dllm_shard_restarts_total", 0) > before["dllm_shard_restarts_total"],
+               60, "the shard group to be rebuilt")
+    after = scrape(server, "n")
+    assert after["dllm_shard_restarts_total"] - before["dllm_shard_restarts_total"] == 1
+    assert after["dllm_shard_failures_total"] - before["dllm_shard_failures_total"] == 1
+    assert after.get('dllm_requests_total{endpoint="completions",status="503"}', 0) - \
+        before.get('dllm_requests_total{endpoint="completions",status="503"}', 0) == 1
