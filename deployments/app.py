@@ -5,24 +5,32 @@
 OpenAIIngress is a shim. Its duties: authorise (optional bearer key), validate (pydantic; a bad field
 is a 400 naming it), tokenize (chat template for chat), call the Coordinator deployment through a
 handle, detokenize and apply stop strings (cancelling the request upstream when one hits), and
-answer as JSON or SSE (one chunk per committed block, then `data: [DONE]`). Every endpoint funnels
-into `_generate`; the coordinator handle is injected, so tests and other front ends can swap it.
+answer as JSON or SSE (one chunk per committed block, drafts as SSE comments between them when asked,
+then `data: [DONE]`), count requests by status for /metrics, and serve the playground page. Every
+generation endpoint funnels into `_generate`; the coordinator handle is injected, so tests and other
+front ends can swap it.
 """
 # No `from __future__ import annotations`: FastAPI resolves endpoint annotations at runtime.
 import hmac
 import json
+from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+# Serve ships `app` to its replica pickled, and the exception handlers' module globals arrive as copies (a
+# handler counting into `REQUESTS` counted into a copy). Looked up through the module, every path counts
+# into the process's one.
+from deployments import metrics as prom
 from deployments.args import AppArgs
-from deployments.metrics import prometheus_text
+from deployments.drafts import draft_event, draft_payload
 from deployments.output import Delta, OutputAssembler, chat_logprobs, completion_logprobs
 from deployments.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                   ChatCompletionStreamResponse, ChatDelta, ChatResponseMessage, ChatStreamChoice,
@@ -32,7 +40,10 @@ from deployments.protocol import (ChatChoice, ChatCompletionRequest, ChatComplet
 from workers.serve_coordinator import CoordinatorDeployment, placement_bundles
 
 app = FastAPI(title="dllm-serve", docs_url=None, redoc_url=None)
+STATIC = Path(__file__).parent / "static"
+app.mount("/static", StaticFiles(directory=STATIC), name="static")   # the playground's script and style
 
+ENDPOINT = {"completion": "completions", "chat": "chat_completions"}   # request kind -> metrics label
 # coordinator error kind -> (HTTP status, OpenAI error type)
 ERROR_STATUS = {"invalid": (400, "invalid_request_error"), "queue_full": (429, "rate_limit_exceeded"),
                 "shard_failure": (503, "service_unavailable"), "timeout": (503, "timeout")}
@@ -51,19 +62,28 @@ def _error_response(err: APIError) -> JSONResponse:
 
 
 @app.exception_handler(APIError)
-async def _api_error(_: Request, err: APIError) -> JSONResponse:
+async def _api_error(request: Request, err: APIError) -> JSONResponse:
+    prom.REQUESTS.add(prom.endpoint_of(request.url.path), err.status)
     return _error_response(err)
 
 
 @app.exception_handler(RequestValidationError)
-async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
     message, param = validation_error_param(err.errors())
+    prom.REQUESTS.add(prom.endpoint_of(request.url.path), 400)
     return _error_response(APIError(400, message, param=param))
 
 
 @app.exception_handler(StarletteHTTPException)
-async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
+async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
+    prom.REQUESTS.add(prom.endpoint_of(request.url.path), err.status_code)
     return _error_response(APIError(err.status_code, str(err.detail), "invalid_request_error"))
+
+
+@app.exception_handler(Exception)
+async def _internal(request: Request, err: Exception) -> JSONResponse:
+    prom.REQUESTS.add(prom.endpoint_of(request.url.path), 500)
+    return _error_response(APIError(500, f"internal error: {type(err).__name__}", "internal_error"))
 
 
 def _sse(payload) -> str:
@@ -86,7 +106,9 @@ class OpenAIIngress:
         self.defaults = self.args.decode_defaults()
         from model.config import load_model_config
 
-        self.canvas_length = load_model_config(self.model_dir).canvas_length  # for usage.diffusion.canvas_positions
+        config = load_model_config(self.model_dir)
+        self.canvas_length = config.canvas_length  # for usage.diffusion.canvas_positions and drafts
+        self.mask_id = config.mask_token_id        # a draft's masked positions (None: uniform-noise canvases)
 
     # ---- endpoints ------------------------------------------------------------------------------
     @app.get("/health")
@@ -97,12 +119,17 @@ class OpenAIIngress:
     @app.get("/v1/models")
     async def models(self, request: Request) -> ModelList:
         self._authorize(request)
-        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.args.max_model_len)])
+        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.args.max_model_len,
+                                         canvas_length=self.canvas_length)])
+
+    @app.get("/playground")
+    async def playground(self) -> FileResponse:
+        return FileResponse(STATIC / "playground.html")
 
     @app.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
         stats = await self.coordinator.stats.remote()
-        return PlainTextResponse(prometheus_text(stats, self.model_name),
+        return PlainTextResponse(prom.prometheus_text(stats, self.model_name, prom.REQUESTS),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
@@ -158,7 +185,9 @@ class OpenAIIngress:
         if body.stream:
             return StreamingResponse(self._sse_stream(kind, body, prompt, stream, assembler),
                                      media_type="text/event-stream")
-        return await self._collect(kind, body, prompt, stream, assembler)
+        response = await self._collect(kind, body, prompt, stream, assembler)
+        prom.REQUESTS.add(ENDPOINT[kind], 200)
+        return response
 
     async def _next(self, stream):
         """The next output of the coordinator's stream, None at its end; errors become APIError."""
@@ -219,26 +248,40 @@ class OpenAIIngress:
     async def _sse_stream(self, kind: str, body, prompt: list[int], stream, assembler: OutputAssembler):
         chunk_id = (CompletionResponse if kind == "completion" else ChatCompletionResponse)(
             model=self.model_name, choices=[]).id
-        n_tokens, last = 0, None
-        if kind == "chat":
-            yield _sse(ChatCompletionStreamResponse(id=chunk_id, model=self.model_name, choices=[
-                ChatStreamChoice(index=0, delta=ChatDelta(role="assistant", content=""))]))
+        n_tokens, last, status = 0, None, 499   # until the stream ends: the client went away
         try:
-            async for delta, out in self._outputs(stream, assembler):
-                last = out or last
-                n_tokens += len(delta.token_ids)
-                if not (delta.text or delta.token_ids or delta.finish_reason):
-                    continue
-                yield _sse(self._chunk(kind, body, chunk_id, delta))
-        except APIError as err:  # after the stream began: report in band, then end it
-            yield _sse(json.dumps(error_body(err.message, err.type, err.param, err.code)))
+            if kind == "chat":
+                yield _sse(ChatCompletionStreamResponse(id=chunk_id, model=self.model_name, choices=[
+                    ChatStreamChoice(index=0, delta=ChatDelta(role="assistant", content=""))]))
+            try:
+                async for delta, out in self._outputs(stream, assembler):
+                    last = out or last
+                    n_tokens += len(delta.token_ids)
+                    drafts = out.new_drafts if out is not None else []
+                    # drafts of the canvases this output committed go before its text, the next canvas's after
+                    early = sum(d.offset < len(assembler.token_ids) for d in drafts)
+                    for d in drafts[:early]:
+                        yield self._draft(chunk_id, d)
+                    if delta.text or delta.token_ids or delta.finish_reason:
+                        yield _sse(self._chunk(kind, body, chunk_id, delta))
+                    for d in drafts[early:] if delta.finish_reason is None else ():
+                        yield self._draft(chunk_id, d)
+            except APIError as err:  # after the stream began: report in band, then end it
+                status = err.status
+                yield _sse(json.dumps(error_body(err.message, err.type, err.param, err.code)))
+                yield _sse("[DONE]")
+                return
+            if body.include_usage:
+                usage = self._usage(prompt, n_tokens, last)
+                cls = CompletionStreamResponse if kind == "completion" else ChatCompletionStreamResponse
+                yield _sse(cls(id=chunk_id, model=self.model_name, choices=[], usage=usage))
             yield _sse("[DONE]")
-            return
-        if body.include_usage:
-            usage = self._usage(prompt, n_tokens, last)
-            cls = CompletionStreamResponse if kind == "completion" else ChatCompletionStreamResponse
-            yield _sse(cls(id=chunk_id, model=self.model_name, choices=[], usage=usage))
-        yield _sse("[DONE]")
+            status = 200
+        finally:
+            prom.REQUESTS.add(ENDPOINT[kind], status)
+
+    def _draft(self, chunk_id: str, draft) -> str:
+        return draft_event(draft_payload(self.tokenizer, draft, chunk_id, self.mask_id, self.canvas_length))
 
     def _chunk(self, kind: str, body, chunk_id: str, delta: Delta):
         scored = delta.logprobs is not None

@@ -43,6 +43,9 @@ class DiffusionOptions(_Strict):
     t_max: float | None = Field(None, gt=0)
     stability_threshold: int | None = Field(None, ge=0)
     confidence_threshold: float | None = Field(None, ge=0)
+    # provisional streaming: snapshots of the canvas being denoised, every draft_every denoising steps
+    stream_drafts: bool | None = None
+    draft_every: int | None = Field(None, ge=1)
 
 
 class StreamOptions(_Strict):
@@ -109,9 +112,16 @@ class _SamplingRequest(_Strict):
         values |= {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos}
         rename = {f: f"diffusion.{f}" for f in DiffusionOptions.model_fields} | {"logprobs": logprobs_field}
         try:
-            return DecodeParams(**values)
+            params = DecodeParams(**values)
         except ValidationError as err:
             raise ParamError(*_describe(err.errors(), rename)) from None
+        if params.stream_drafts and not self.stream:
+            raise ParamError("diffusion.stream_drafts needs stream: true (drafts are sent between the streamed "
+                             "chunks)", "diffusion.stream_drafts")
+        if params.stream_drafts and params.mode != "diffusion":
+            raise ParamError(f"diffusion.stream_drafts needs mode 'diffusion' (got {params.mode!r}: no canvas "
+                             "is denoised)", "diffusion.stream_drafts")
+        return params
 
 
 class CompletionRequest(_SamplingRequest):
@@ -334,6 +344,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "dllm-serve"
     max_model_len: int | None = None
+    canvas_length: int | None = None   # positions denoised together (a draft's width)
 
 
 class ModelList(BaseModel):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from model.drafts import DraftBuffer
 from model.protocol import Block, StepCounters
 from model.sampling.params import MAX_LOGPROBS
 from model.slots import Scores, SlotTable
@@ -69,9 +70,11 @@ class CommandOutputs:
         zero = self.counters.new_zeros(())
         self.counters += torch.stack([zero + values.get(name, 0) for name in COUNTERS])
 
-    def copy_out(self, slots: SlotTable, emitting: list[int], scored: dict[int, int]) -> tuple[list[Block], StepCounters]:
+    def copy_out(self, slots: SlotTable, emitting: list[int], scored: dict[int, int], drafts: DraftBuffer | None = None,
+                 drafting: list[int] = (), command_steps: int = 0) -> tuple[list[Block], StepCounters]:
         """The host's copy of the command's results (one synchronisation): a Block per slot in `emitting`
-        that emitted or committed anything; `scored` maps the slots that asked for scores to their k.
+        that emitted, committed or drafted anything; `scored` maps the slots that asked for scores to their
+        k; `drafting` the slots whose drafts of this command (of `command_steps` steps) ride along.
         Also refreshes the table's host copy of lengths and phases."""
         dev = self.device
         small = torch.stack([self.count, self.canvases, self.steps, slots.length, slots.phase])
@@ -83,6 +86,8 @@ class CommandOutputs:
             if kmax:
                 parts |= {"top_values": self.top_values[idx, : self.capacity, :kmax],
                           "top_ids": self.top_ids[idx, : self.capacity, :kmax]}
+        if drafting:
+            parts |= drafts.parts(drafting, command_steps)
         if dev.type == "cuda":
             host = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for name, t in parts.items()}
             for name, t in parts.items():
@@ -96,13 +101,14 @@ class CommandOutputs:
         slots.host_length, slots.host_phase = length, phase
         counters = StepCounters(**dict(zip(COUNTERS, host["counters"].tolist())))
         row_of = {s: i for i, s in enumerate(sorted(scored))}
+        drafted = DraftBuffer.drafts(host, drafting) if drafting else {}
         blocks = []
         for s in emitting:
             n = count[s]
-            if not n and not canvases[s]:
+            if not n and not canvases[s] and s not in drafted:
                 continue
             block = Block(slot=s, tokens=host["tokens"][s, :n].tolist(), denoising_steps=steps[s],
-                          canvases=canvases[s])
+                          canvases=canvases[s], drafts=drafted.get(s))
             if s in row_of and n:
                 i, k = row_of[s], scored[s]
                 block.logprobs = host["logprob"][i, :n].tolist()

@@ -26,6 +26,16 @@ class Command:
 
 
 @dataclass
+class Draft:
+    """A snapshot of a canvas being denoised (model/drafts.py), for a request that streams drafts."""
+
+    start: int                 # the canvas's first absolute position
+    step: int                  # denoising steps of the canvas so far
+    tokens: list[int]          # [C]: the canvas (masked diffusion: the mask token where masked)
+    known: list[bool]          # [C]: revealed (masked diffusion) or accepted at that step (DiffusionGemma)
+
+
+@dataclass
 class Block:
     """Tokens one slot emitted in one command (committed canvases, AR tokens, accepted drafts, in order),
     each with the scores its request asked for, captured from the distribution it was revealed/sampled
@@ -39,6 +49,7 @@ class Block:
     ranks: list[int] | None = None
     top_ids: list[list[int]] | None = None       # [token][k]
     top_logprobs: list[list[float]] | None = None
+    drafts: list[Draft] | None = None            # snapshots of canvases, oldest first (stream_drafts)
 
 
 @dataclass

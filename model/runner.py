@@ -17,6 +17,7 @@ import torch
 
 from model.attention import KVCache, LayeredKVCache, step_context
 from model.config import RenoiseDefaults
+from model.drafts import DraftBuffer
 from model.graphs import StepGraphs, bucket, device_context
 from model.outputs import CommandOutputs
 from model.protocol import Command, Events, NewSlot
@@ -53,6 +54,7 @@ class Runner:
         self.eos = torch.tensor(cfg.eos_token_ids, dtype=torch.int64, device=self.device)
         self.slots = SlotTable(num_slots, self.C, self.mask_id or 0, self.device)
         self.outputs = CommandOutputs(num_slots, self.C, max_steps_per_command, self.device)
+        self.drafts = DraftBuffer(num_slots, self.C, max_steps_per_command, self.device)
         self.sampler = RowSampler(model, self.slots, sampler_passes)
         self.causal = CausalSteps(self)
         self.renoise = None
@@ -78,6 +80,7 @@ class Runner:
                 raise ValueError(f"max_steps={cmd.max_steps} > the runner's max_steps_per_command="
                                  f"{self.outputs.max_steps}")
             self.outputs.reset()
+            self.drafts.reset()
             canvas = [s for s, i in sorted(self.slots.info.items()) if i.params.mode in CANVAS_MODES]
             ar = [s for s, i in sorted(self.slots.info.items()) if i.params.mode == "ar"]
             steps = cmd.max_steps
@@ -91,7 +94,9 @@ class Runner:
                     self._run("ar", self.causal.ar_step, ar, self._keys(ar, admitted, steps, 1))
             events.steps = steps
             scored = {s: i.params.logprobs for s, i in self.slots.info.items() if i.wants_scores}
-            events.blocks, events.counters = self.outputs.copy_out(self.slots, sorted(self.slots.info), scored)
+            drafting = [s for s, i in sorted(self.slots.info.items()) if i.params.stream_drafts]
+            events.blocks, events.counters = self.outputs.copy_out(self.slots, sorted(self.slots.info), scored,
+                                                                   self.drafts, drafting, steps)
             return events
 
     def _admit(self, news: tuple[NewSlot, ...]) -> list[int]:
@@ -109,6 +114,7 @@ class Runner:
         gamma = [k["gamma"] for k in knobs] if knobs else [n.params.reveal_entropy_bound for n in news]
         slots = [n.slot for n in news]
         self.slots.admit(slots, [n.params for n in news], [n.seed for n in news], steps, gamma)
+        self.drafts.admit(slots, [n.params.draft_every if n.params.stream_drafts else 0 for n in news])
         if knobs:
             self.renoise.admit(slots, knobs)
         for n in news:

@@ -90,7 +90,7 @@ def test_triton_sampler_statistics_equal_torch(family, dtype):
 @pytest.mark.parametrize("family", ["nemotron", "gemma"])
 def test_no_host_sync_inside_a_command(family, tiny_nemotron, tiny_gemma):
     """A multi-step command reads nothing on the host until its end (sync-debug mode errors on any
-    synchronising call; the command's one wait is an event's), admissions and releases included."""
+    synchronising call; the command's one wait is an event's), admissions, releases and drafts included."""
     from model.parallel.group import TPGroup
     from model.protocol import Command, NewSlot
     from model.sampling.params import DecodeParams
@@ -98,7 +98,9 @@ def test_no_host_sync_inside_a_command(family, tiny_nemotron, tiny_gemma):
 
     model_dir = tiny_nemotron if family == "nemotron" else tiny_gemma
     runner = build_runner(str(model_dir), TPGroup(), 4, 256, "bfloat16", "cuda", "safetensors", 8)
-    p = DecodeParams(temperature=0.7, seed=1, max_tokens=96, ignore_eos=True, logprobs=2)
+    # p also streams drafts: its snapshots are taken inside the captured steps and copied with the rest
+    p = DecodeParams(temperature=0.7, seed=1, max_tokens=96, ignore_eos=True, logprobs=2, stream_drafts=True,
+                     draft_every=2)
     q = DecodeParams(temperature=0, max_tokens=64, ignore_eos=True)
 
     def commands():

@@ -20,6 +20,7 @@ from typing import AsyncIterator
 from model.config import load_model_config
 from model.protocol import StepCounters
 from model.sampling.params import DecodeParams
+from workers.metrics import RequestMetrics
 from workers.request import RequestOutput
 from workers.scheduler import QueueFull, Scheduler, derived_metrics
 from workers.shard_group import ShardFailure
@@ -55,6 +56,8 @@ class Coordinator:
         self._started = False
         self._healthy = True
         self.failures = 0
+        self.shard_starts = 0
+        self.metrics = RequestMetrics()
         self._retired = StepCounters()  # counters of schedulers replaced after a failure
         self.started_at = time.monotonic()
 
@@ -70,6 +73,7 @@ class Coordinator:
         async with self._lock:
             if not self._started:
                 try:
+                    self.shard_starts += 1
                     await self.shards.start()
                 except ShardFailure as err:
                     self._healthy = False
@@ -115,7 +119,9 @@ class Coordinator:
         finally:
             self.streams.pop(request_id, None)
             if not finished:  # the caller went away: free the slot at the next step boundary
-                self.scheduler.cancel(request_id)
+                aborted = self.scheduler.cancel(request_id)
+                if aborted is not None:
+                    self.metrics.observe(aborted)
                 self._wake.set()
 
     # ---- the step loop --------------------------------------------------------------------------
@@ -132,6 +138,7 @@ class Coordinator:
                 await self._recover(err)
                 continue
             for out in self.scheduler.apply(events):
+                self.metrics.observe(out)
                 queue = self.streams.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
@@ -150,6 +157,7 @@ class Coordinator:
             self.shards.stop()
             self._started = False
             try:
+                self.shard_starts += 1
                 await self.shards.start()
                 self._started, self._healthy = True, True
             except ShardFailure as again:
@@ -171,5 +179,6 @@ class Coordinator:
         wall = time.monotonic() - self.started_at
         return {"running": s.num_running, "waiting": s.num_waiting, "free_slots": s.free_slots,
                 "num_slots": self.num_slots, "shard_failures": self.failures,
+                "shard_restarts": max(self.shard_starts - 1, 0), **self.metrics.snapshot(),
                 "shard_pids": list(getattr(self.shards, "pids", [])),
                 "counters": vars(counters).copy(), "derived": derived_metrics(counters, wall)}

@@ -4,8 +4,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from model.protocol import Block
+from model.protocol import Block, Draft
 from model.sampling.params import DecodeParams
+
+
+@dataclass
+class CanvasDraft:
+    """A draft (model/drafts.py) as its request sees it: the canvas placed in the output."""
+    offset: int            # the output index of the canvas's first position
+    step: int              # denoising steps of the canvas so far
+    tokens: list[int]      # the canvas (masked diffusion: the mask token where masked)
+    known: list[bool]      # revealed (masked diffusion) or accepted at that step (DiffusionGemma)
+    revealed: list[int]    # positions known now that were not at the request's previous draft of this canvas
 
 
 @dataclass
@@ -21,6 +31,13 @@ class RequestOutput:
     finish_reason: str | None = None
     denoising_steps: int = 0   # the request's totals so far (usage statistics)
     canvases: int = 0
+    completion_tokens: int = 0
+    new_drafts: list[CanvasDraft] = field(default_factory=list)
+    # latencies this output completes (seconds): TTFT with the first tokens, the gap before later blocks,
+    # end to end with the finish
+    ttft_s: float | None = None
+    inter_block_s: float | None = None
+    e2e_s: float | None = None
 
 
 @dataclass
@@ -43,6 +60,7 @@ class Request:
     finish_time: float | None = None
     denoising_steps: int = 0
     canvases: int = 0
+    last_draft: CanvasDraft | None = None
 
     @property
     def latencies(self) -> dict[str, float | list[float] | None]:
@@ -81,9 +99,18 @@ class Request:
         self.output += tokens
         self.denoising_steps += block.denoising_steps
         self.canvases += block.canvases
+        ttft = gap = None
         if n:
-            self.block_times.append(time.monotonic())
-            self.first_token_time = self.first_token_time or self.block_times[0]
+            now = time.monotonic()
+            if self.block_times:
+                gap = now - self.block_times[-1]
+            else:
+                self.first_token_time = now
+                ttft = now - self.arrival_time
+            self.block_times.append(now)
+        # a draft of a canvas past the end (a host-side stop) is of no use to the request
+        drafts = [self._draft(d) for d in block.drafts or ()
+                  if reason is None or d.start - len(self.prompt) < len(self.output)]
         scores = ([], [], [], [])
         k = self.params.logprobs
         if k is not None and block.tokens:  # the runner sends no scores with an empty block
@@ -101,7 +128,16 @@ class Request:
             self.top_logprobs += scores[3]
         if reason is not None:
             self.finish(reason)
-        return self._output(tokens, *scores)
+        out = self._output(tokens, *scores)
+        out.new_drafts, out.ttft_s, out.inter_block_s = drafts, ttft, gap
+        return out
+
+    def _draft(self, d: Draft) -> CanvasDraft:
+        offset, prev = d.start - len(self.prompt), self.last_draft
+        before = prev.known if prev is not None and prev.offset == offset else [False] * len(d.known)
+        revealed = [j for j, (now, then) in enumerate(zip(d.known, before)) if now and not then]
+        self.last_draft = CanvasDraft(offset, d.step, d.tokens, d.known, revealed)
+        return self.last_draft
 
     def _output(self, tokens, logprobs, ranks, top_ids, top_logprobs) -> RequestOutput:
         asked = self.params.logprobs is not None
@@ -109,4 +145,5 @@ class Request:
             self.request_id, list(tokens),
             list(logprobs) if asked else None, list(ranks) if asked else None,
             list(top_ids) if asked else None, list(top_logprobs) if asked else None,
-            self.finished, self.finish_reason, self.denoising_steps, self.canvases)
+            self.finished, self.finish_reason, self.denoising_steps, self.canvases, len(self.output),
+            e2e_s=self.finish_time - self.arrival_time if self.finished else None)

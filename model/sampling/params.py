@@ -40,6 +40,8 @@ class DecodeParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     seed_first_position: bool = Field(True, description="SPEC 3(a): canvas position 0 from the AR prediction")
     eos_early_stop: bool = Field(True, description="SPEC 3(b): stop denoising at an EOS with no mask before it")
+    stream_drafts: bool = Field(False, description="snapshot the canvas being denoised every draft_every steps")
+    draft_every: int = Field(4, ge=1, description="denoising steps between two drafts of a canvas")
 
     @model_validator(mode="after")
     def _consistent(self) -> "DecodeParams":

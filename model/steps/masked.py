@@ -98,6 +98,8 @@ class MaskedCanvasStep:
         t.emitted[idx] = emitted
         t.last_token[idx] = torch.where(is_verify, after_accepted, t.last_token[idx])
         t.draws[idx] += live.long()
+        if plan.drafting:
+            r.drafts.record(plan, idx, denoised, ~still_masked, n + 1, is_denoise, length)
         denoising = (is_denoise | is_draft).long().sum()
         r.outputs.add_counters(committed_tokens=(is_commit.long() * C + is_verify.long() * accepted).sum(),
                                denoising_steps=denoising, canvas_positions=denoising * C,

@@ -20,6 +20,7 @@ class RowPlan:
     modes: tuple[str, ...]         # decoding modes present
     early_stop: bool               # any row stopping denoising at a clean EOS
     kv_len: int                    # keys a row may read during the command
+    drafting: tuple[int, ...] = ()  # rows (0..B-1) whose requests stream drafts (model/drafts.py)
 
     @property
     def filters(self) -> bool:
@@ -38,4 +39,4 @@ def plan_rows(infos: list[SlotInfo], kv_len: int, family: str) -> RowPlan:
         policies=tuple(sorted({p.policy for p in params if p.mode == "diffusion"})),
         modes=tuple(sorted({p.mode for p in params})),
         early_stop=any(p.eos_early_stop and not p.ignore_eos for p in params),
-        kv_len=kv_len)
+        kv_len=kv_len, drafting=tuple(r for r, p in enumerate(params) if p.stream_drafts))

@@ -110,6 +110,8 @@ class RenoiseCanvasStep:
             soft = r.model.soft_embedding(step.probs).to(self.soft.dtype)
             self.soft[idx] = torch.where(is_denoise[:, None, None], soft, self.soft[idx])
         t.n[idx] = torch.where(is_denoise, n + 1, n)
+        if plan.drafting:  # the argmax canvas (the sampled one is partly noise), accepted positions known
+            r.drafts.record(plan, idx, step.argmax, step.accepted, n + 1, is_denoise, length)
         t.phase[idx] = torch.where(converged, COMMIT, torch.where(is_commit & stop, DONE, phase))
         t.length[idx] = length + count
         t.emitted[idx] = emitted
