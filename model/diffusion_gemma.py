@@ -39,8 +39,9 @@ from model.sampling.renoise import self_condition_embedding
 
 
 class GemmaRMSNorm(nn.Module):
-    """x * (mean(x^2) + eps)^-1/2 [* w], all in fp32 and cast back once (Gemma-4: weight used as is,
-    not 1 + weight). with_scale=False: no parameter (v_norm, the router's and post_norm of self-cond)."""
+    """x * (mean(x^2) + eps)^-1/2 [* w], all in fp32 (fp64 for an fp64 model) and cast back once
+    (Gemma-4: weight used as is, not 1 + weight). with_scale=False: no parameter (v_norm, the router's
+    and post_norm of self-cond)."""
 
     def __init__(self, dim: int, eps: float, with_scale: bool = True):
         super().__init__()
@@ -48,10 +49,10 @@ class GemmaRMSNorm(nn.Module):
         self.weight = new_param(dim) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
         h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if self.weight is not None:
-            h = h * self.weight.float()
+            h = h * self.weight.to(h.dtype)
         return h.type_as(x)
 
 
@@ -177,7 +178,8 @@ class GemmaRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> weights [T, k] fp32, expert ids [T, k]."""
         scores = self.proj(self.norm(x) * self.scale * self.scalar_root_size)
-        weights, ids = torch.topk(torch.softmax(scores, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.per_expert_scale[ids], ids
 
@@ -226,7 +228,7 @@ class GemmaExperts(nn.Module):
 
 def _grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Rows of x [N, in] sorted by group, group g = rows [ends[g-1], ends[g]) -> x_g @ w[g]^T ([E, out, in])."""
-    if hasattr(F, "grouped_mm"):
+    if hasattr(F, "grouped_mm") and x.dtype != torch.float64:  # no fp64 kernel (the TP tests' reference)
         return F.grouped_mm(x, w.transpose(1, 2), offs=ends)
     starts = [0, *ends.tolist()[:-1]]  # older torch: one host sync per call
     return torch.cat([x[s:e] @ w[g].T for g, (s, e) in enumerate(zip(starts, ends.tolist()))])
@@ -380,7 +382,8 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_logit_softcapping
-        logits = F.linear(hidden, self.decoder.embed_tokens.weight).float()
+        logits = F.linear(hidden, self.decoder.embed_tokens.weight)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return torch.tanh(logits / cap) * cap
 
     def soft_embedding(self, probs: torch.Tensor) -> torch.Tensor:

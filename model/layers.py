@@ -9,7 +9,8 @@ from model.parallel.linear import new_param
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / rms(x), normalised in fp32 and cast back before the weight (as Ministral-3)."""
+    """y = w * x / rms(x), normalised in fp32 (fp64 for an fp64 model) and cast back before the weight
+    (as Ministral-3)."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -17,7 +18,7 @@ class RMSNorm(nn.Module):
         self.weight = new_param(hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
