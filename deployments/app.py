@@ -33,6 +33,7 @@ from workers.serve_coordinator import CoordinatorDeployment, placement_bundles
 
 app = FastAPI(title="dllm-serve", docs_url=None, redoc_url=None)
 
+HEALTH_DETAIL = ("num_slots", "free_slots", "running", "waiting", "shard_failures")
 # coordinator error kind -> (HTTP status, OpenAI error type)
 ERROR_STATUS = {"invalid": (400, "invalid_request_error"), "queue_full": (429, "rate_limit_exceeded"),
                 "shard_failure": (503, "service_unavailable"), "timeout": (503, "timeout")}
@@ -66,6 +67,12 @@ async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
     return _error_response(APIError(err.status_code, str(err.detail), "invalid_request_error"))
 
 
+def _last_line(err: Exception) -> str:
+    """A remote exception's own message (Ray prefixes the whole remote traceback)."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
+
+
 def _sse(payload) -> str:
     data = payload if isinstance(payload, str) else payload.model_dump_json(exclude_none=False)
     return f"data: {data}\n\n"
@@ -88,8 +95,15 @@ class OpenAIIngress:
     # ---- endpoints ------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> dict:
-        await self.coordinator.check_health.remote()
-        return {"status": "ok"}
+        """200 once the shards answer a ping, with the slot counts (a leak shows as free_slots below
+        num_slots while nothing runs); 503 while they are down."""
+        try:
+            await self.coordinator.check_health.remote()
+            stats = await self.coordinator.stats.remote()
+        except RayError as err:
+            raise APIError(503, f"unhealthy: {_last_line(err)}", "service_unavailable",
+                           headers={"Retry-After": "1"}) from None
+        return {"status": "ok", **{k: stats[k] for k in HEALTH_DETAIL}}
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> ModelList:
