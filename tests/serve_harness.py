@@ -125,8 +125,8 @@ def app_processes(app: str) -> dict[str, int]:
             title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
         except OSError:
             continue
-        if title.startswith(prefix):
-            found[title[len(prefix):].split()[0]] = int(proc.name)
+        if title.startswith(prefix):  # the title ends in the method running, if any: "...:Coordinator.stats"
+            found[title[len(prefix):].split()[0].split(".")[0]] = int(proc.name)
     return found
 
 
