@@ -211,3 +211,14 @@ def test_no_bad_input_failed_a_shard(server):
         assert h["shard_failures"] == 0 and h["free_slots"] == h["num_slots"], h
         r = post(server, app, path, body)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_diffusion_gemma_schedule_is_checked_against_the_checkpoint(server):
+    """The tiny checkpoint's generation_config.json has t_min 0.4, t_max 0.8: one end given alone must
+    still leave t_max > t_min, checked at the ingress (else the shard's own check fails the step)."""
+    for diffusion, param in [({"t_max": 0.3}, "diffusion.t_max"), ({"t_min": 0.9}, "diffusion.t_max")]:
+        r = post(server, "gemma", C, OK | {"diffusion": diffusion})
+        assert r.status_code == 400, r.text[:300]
+        assert_openai_error(r.json(), 400, param)
+    assert health(server, "gemma").json()["shard_failures"] == 0
+    assert post(server, "gemma", C, OK | {"diffusion": {"t_max": 0.5}}).status_code == 200
