@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-gpu lint clean
+.PHONY: test test-reliability test-gpu lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -16,8 +16,14 @@ $(STAMP): pyproject.toml constraints.txt
 		|| echo "could not install chromium: the playground's browser test will skip (and fail under CI)"
 	touch $(STAMP)
 
+# Everything but the tests marked `reliability` (deselected in pyproject.toml).
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The long ones: a 10-minute soak per family (DLLM_SOAK_S=seconds changes it), 8 shard faults in a row,
+# a 256-way burst, 8000 random schemathesis cases. About 30 minutes on 2 cores; -rP prints their figures.
+test-reliability: $(STAMP)
+	$(PY) -m pytest -q -m reliability -rP tests
 
 # On the GPU host (no registry there): the host's own torch/transformers, Ray from the offline bundle.
 test-gpu:

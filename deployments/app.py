@@ -37,6 +37,7 @@ from deployments.protocol import (ChatChoice, ChatCompletionRequest, ChatComplet
                                   CompletionChoice, CompletionRequest, CompletionResponse,
                                   CompletionStreamResponse, ModelCard, ModelList, ParamError, Usage, error_body,
                                   validation_error_param)
+from model.config import RenoiseDefaults, load_generation_defaults, load_model_config
 from workers.serve_coordinator import CoordinatorDeployment, placement_bundles
 
 app = FastAPI(title="dllm-serve", docs_url=None, redoc_url=None)
@@ -44,6 +45,7 @@ STATIC = Path(__file__).parent / "static"
 app.mount("/static", StaticFiles(directory=STATIC), name="static")   # the playground's script and style
 
 ENDPOINT = {"completion": "completions", "chat": "chat_completions"}   # request kind -> metrics label
+HEALTH_DETAIL = ("num_slots", "free_slots", "running", "waiting", "shard_failures")
 # coordinator error kind -> (HTTP status, OpenAI error type)
 ERROR_STATUS = {"invalid": (400, "invalid_request_error"), "queue_full": (429, "rate_limit_exceeded"),
                 "shard_failure": (503, "service_unavailable"), "timeout": (503, "timeout")}
@@ -77,7 +79,16 @@ async def _invalid(request: Request, err: RequestValidationError) -> JSONRespons
 @app.exception_handler(StarletteHTTPException)
 async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
     prom.REQUESTS.add(prom.endpoint_of(request.url.path), err.status_code)
-    return _error_response(APIError(err.status_code, str(err.detail), "invalid_request_error"))
+    message = str(err.detail)
+    if message == "There was an error parsing the body":  # FastAPI's json.loads raised, not with a JSON error
+        message = "the body could not be parsed as JSON: not UTF-8, nested too deeply, or an integer too long"
+    return _error_response(APIError(err.status_code, message, "invalid_request_error"))
+
+
+def _last_line(err: Exception) -> str:
+    """A remote exception's own message (Ray prefixes the whole remote traceback)."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
 
 
 @app.exception_handler(Exception)
@@ -103,18 +114,31 @@ class OpenAIIngress:
         self.coordinator = coordinator
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.vocab_size = len(self.tokenizer)
-        self.defaults = self.args.decode_defaults()
-        from model.config import load_model_config
-
         config = load_model_config(self.model_dir)
+        self.model_vocab_size = config.vocab_size
+        self.defaults = self.args.decode_defaults()
         self.canvas_length = config.canvas_length  # for usage.diffusion.canvas_positions and drafts
         self.mask_id = config.mask_token_id        # a draft's masked positions (None: uniform-noise canvases)
+        if config.family == "diffusion-gemma":
+            # the checkpoint's schedule where the server sets none, so that a request's t_min or t_max is
+            # checked against the other end here (a 400), not in a shard (a failed step for every request)
+            renoise = RenoiseDefaults.from_generation(load_generation_defaults(self.model_dir))
+            for end in ("t_min", "t_max"):
+                if self.defaults[end] is None:
+                    self.defaults[end] = getattr(renoise, end)
 
     # ---- endpoints ------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> dict:
-        await self.coordinator.check_health.remote()
-        return {"status": "ok"}
+        """200 once the shards answer a ping, with the slot counts (a leak shows as free_slots below
+        num_slots while nothing runs); 503 while they are down."""
+        try:
+            await self.coordinator.check_health.remote()
+            stats = await self.coordinator.stats.remote()
+        except RayError as err:
+            raise APIError(503, f"unhealthy: {_last_line(err)}", "service_unavailable",
+                           headers={"Retry-After": "1"}) from None
+        return {"status": "ok", **{k: stats[k] for k in HEALTH_DETAIL}}
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> ModelList:
@@ -142,7 +166,7 @@ class OpenAIIngress:
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
                 raise APIError(400, f"prompt token ids {bad[:5]} are outside [0, {self.vocab_size})", param="prompt")
-        return await self._generate("completion", body, prompt, "prompt")
+        return await self._generate("completion", body, prompt, "prompt", "max_tokens")
 
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -152,7 +176,9 @@ class OpenAIIngress:
                                                         tokenize=True, return_dict=False)
         except Exception as err:  # a template's own raise_exception: the messages do not fit it
             raise APIError(400, f"messages do not fit the model's chat template: {err}", param="messages") from None
-        return await self._generate("chat", body, list(prompt), "messages")
+        length = "max_tokens" if body.max_completion_tokens is None and body.max_tokens is not None else \
+            "max_completion_tokens"
+        return await self._generate("chat", body, list(prompt), "messages", length)
 
     # ---- the one request path -------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -169,16 +195,22 @@ class OpenAIIngress:
             raise APIError(404, f"the model `{body.model}` does not exist; this server serves `{self.model_name}`",
                            "invalid_request_error", param="model", code="model_not_found")
 
-    async def _generate(self, kind: str, body, prompt: list[int], prompt_param: str):
+    async def _generate(self, kind: str, body, prompt: list[int], prompt_param: str, length_param: str):
         try:
             params = body.decode_params(self.defaults)
         except ParamError as err:
             raise APIError(400, err.message, param=err.param) from None
+        if params.top_k >= self.model_vocab_size:  # keeps every token: no filter, and no [.., top_k] buffers
+            params = params.model_copy(update={"top_k": 0})
         if len(prompt) >= self.args.max_model_len:
             raise APIError(400, f"the prompt has {len(prompt)} tokens; this model allows at most "
                                 f"{self.args.max_model_len - 1} before output", param=prompt_param)
         stream = self.coordinator.options(stream=True).generate.remote(prompt, params)
-        first = await self._next(stream)
+        try:
+            first = await self._next(stream)
+        except APIError as err:  # the engine's own name for the output length
+            err.param = length_param if err.param == "max_tokens" else err.param
+            raise
         if first is None:
             raise APIError(503, "the model stopped without an answer", "service_unavailable")
         assembler = OutputAssembler(self.tokenizer, body.stop_strings)
@@ -306,8 +338,6 @@ def build_app(args: dict):
     a = AppArgs(**args)
     model_dir = a.model_dir()
     use_gpu = a.use_gpu()
-    from model.config import load_model_config
-
     load_model_config(model_dir).check_tensor_parallel(a.tensor_parallel_size)  # fail at deploy, not at request
     runner_args = dict(num_slots=a.max_num_seqs, max_model_len=a.max_model_len, dtype=a.torch_dtype(),
                        load_format=a.load_format, max_steps_per_command=a.max_steps_per_command)

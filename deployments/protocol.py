@@ -1,8 +1,11 @@
 """The OpenAI-compatible wire format (pydantic v2): requests, responses, error bodies.
 
 Requests forbid unknown fields, so a misspelt option is a 400 that names it; a JSON `null` means
-"not given" (the field's default). `decode_params(defaults)` turns a request plus the server's
-defaults into the engine's `DecodeParams`, raising `ParamError` (a ValueError) that names the field.
+"not given" (the field's default). Numbers must be finite (Python's json reads NaN and Infinity) and
+strings valid Unicode (JSON's \ud800 escapes decode to lone surrogates, which no tokenizer or UTF-8
+encoder takes), so neither reaches the engine or an error message. `decode_params(defaults)` turns a
+request plus the server's defaults into the engine's `DecodeParams`, raising `ParamError` (a
+ValueError) that names the field.
 Responses are plain models shaped like OpenAI's (checked against the `openai` client's types).
 """
 from __future__ import annotations
@@ -11,16 +14,27 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
-from pydantic import ValidationInfo
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+from pydantic import ValidationInfo, model_validator
 
 from model.sampling.params import MAX_LOGPROBS, DecodeParams, Mode, RevealPolicy
 
 # ----------------------------------------------------------------------------------------- requests
 
 
+def _unicode(v: str) -> str:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"not valid Unicode: a lone surrogate at character {err.start}") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -63,18 +77,18 @@ class ParamError(ValueError):
 class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: str
+    model: Text
     temperature: float | None = Field(None, ge=0, le=2)  # None: DecodeParams' per-mode default
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="0 or -1 disables")
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=4)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     n: int = 1
     stop_token_ids: list[int] | None = None
-    user: str | None = None  # accepted, ignored
+    user: Text | None = None  # accepted, ignored
     diffusion: DiffusionOptions | None = None
 
     @field_validator("stream_options")
@@ -125,7 +139,7 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
+    prompt: Text | list[int]
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -159,8 +173,8 @@ class _TextPart(BaseModel):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant"]
-    content: str
-    name: str | None = None  # accepted, ignored
+    content: Text
+    name: Text | None = None  # accepted, ignored
 
     @field_validator("content", mode="before")
     @classmethod
@@ -373,20 +387,28 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "tuple", "none"}
+_BODY_ERRORS = {"json_invalid": "the body is not valid JSON: {error} at character {at}",
+                "missing": "the request has no JSON body",
+                "model_attributes_type": "the body must be a JSON object",
+                "dict_type": "the body must be a JSON object"}
 
 
-def _param(loc: tuple, rename: dict[str, str] | None = None) -> str | None:
+def _param(loc: tuple, rename: dict[str, str] | None = None, unknown: bool = False) -> str | None:
     """('body', 'diffusion', 'threshold') -> 'diffusion.threshold'; ('messages', 0, 'content') ->
-    'messages[0].content'. Union-member tags (e.g. 'list[int]') are dropped."""
+    'messages[0].content'. Union-member tags (e.g. 'list[int]') are dropped; `unknown`: the last part
+    is a field the client sent that does not exist, kept as spelt (e.g. 'diffusion.Mode')."""
     parts = list(loc[1:] if loc and loc[0] == "body" else loc)
     if not parts or isinstance(parts[0], int):  # a model-level error, or a JSON decode position
         return None
+    key = str(parts.pop()) if unknown else None
     out = ""
     for p in parts:
         if isinstance(p, int):
             out += f"[{p}]"
         elif p.isidentifier() and p.islower() and p not in _TYPE_TAGS:
             out += f".{p}" if out else p
+    if key is not None:
+        out = f"{out}.{key}" if out else key
     if rename:
         head, dot, rest = out.partition(".")
         out = rename.get(head, head) + dot + rest
@@ -396,7 +418,7 @@ def _param(loc: tuple, rename: dict[str, str] | None = None) -> str | None:
 def _describe(errors: list[dict], rename: dict[str, str] | None = None) -> tuple[str, str | None]:
     messages, params, seen = [], [], set()
     for e in errors:
-        param = _param(tuple(e.get("loc", ())), rename)
+        param = _param(tuple(e.get("loc", ())), rename, unknown=e.get("type") == "extra_forbidden")
         if param in seen and param is not None:
             continue  # several union members failing on one field: the first says enough
         seen.add(param)
@@ -404,8 +426,12 @@ def _describe(errors: list[dict], rename: dict[str, str] | None = None) -> tuple
         msg = str(e.get("msg", "invalid value"))
         for prefix in ("Value error, ", "Assertion failed, "):
             msg = msg.removeprefix(prefix)
-        if e.get("type") == "extra_forbidden":
+        kind = e.get("type")
+        if kind == "extra_forbidden":
             msg = "unknown field"
+        elif param is None and kind in _BODY_ERRORS:  # the body as a whole
+            loc, ctx = e.get("loc") or ("?",), e.get("ctx") or {}
+            msg = _BODY_ERRORS[kind].format(error=ctx.get("error", msg), at=loc[-1])
         messages.append(f"{param}: {msg}" if param else msg)
     return "; ".join(messages) or "invalid request", next((p for p in params if p), None)
 

@@ -40,8 +40,9 @@ from model.sampling.renoise import self_condition_embedding
 
 
 class GemmaRMSNorm(nn.Module):
-    """x * (mean(x^2) + eps)^-1/2 [* w], all in fp32 and cast back once (Gemma-4: weight used as is,
-    not 1 + weight). with_scale=False: no parameter (v_norm, the router's and post_norm of self-cond)."""
+    """x * (mean(x^2) + eps)^-1/2 [* w], all in fp32 (fp64 for an fp64 model) and cast back once
+    (Gemma-4: weight used as is, not 1 + weight). with_scale=False: no parameter (v_norm, the router's
+    and post_norm of self-cond)."""
 
     def __init__(self, dim: int, eps: float, with_scale: bool = True):
         super().__init__()
@@ -171,7 +172,8 @@ class GemmaRouter(nn.Module):
         """normed [T, H]: norm(x) * scale / sqrt(H) of the residual x (fused with the layer's other norms:
         model.fused.gemma_feedforward_inputs) -> weights [T, k] fp32, expert ids [T, k]."""
         scores = self.proj(normed)
-        weights, ids = torch.topk(torch.softmax(scores, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.per_expert_scale[ids], ids
 
@@ -398,7 +400,9 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         cap = self.logit_softcap
-        return torch.tanh(self.head_logits(hidden).float() / cap) * cap
+        logits = self.head_logits(hidden)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return torch.tanh(logits / cap) * cap
 
     def soft_embedding(self, probs: torch.Tensor) -> torch.Tensor:
         """probs [..., V_r]: this rank's slice of the globally normalised softmax(logits / T) ->

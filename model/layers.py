@@ -10,7 +10,8 @@ from model.parallel.linear import new_param
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / rms(x), normalised in fp32 and cast back before the weight (as Ministral-3)."""
+    """y = w * x / rms(x), normalised in fp32 (fp64 for an fp64 model) and cast back before the weight
+    (as Ministral-3)."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()

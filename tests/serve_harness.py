@@ -1,11 +1,21 @@
-"""Ray + Serve for HTTP tests: one local Ray, one Serve HTTP proxy on a free port, apps by route prefix."""
+"""Ray + Serve for HTTP tests: one local Ray, one Serve HTTP proxy on a free port, apps by route prefix;
+plus what the HTTP, fault, load, fuzz and soak suites share: the coordinator's stats, /health, SSE
+reading, the OpenAI error shape, and the resident memory of the app's processes."""
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import socket
 import time
+from pathlib import Path
+from typing import Iterator
 
+import httpx
 import ray
 from ray import serve
+
+ERROR_KEYS = {"message", "type", "param", "code"}
 
 
 def free_port() -> int:
@@ -27,6 +37,18 @@ def stop_serve() -> None:
     ray.shutdown()
 
 
+@contextlib.contextmanager
+def serving(apps: dict[str, object]) -> Iterator[int]:
+    """Ray + Serve with each built app under /<name>; yields the port; shuts everything down after."""
+    port = start_serve()
+    try:
+        for name, app in apps.items():
+            serve.run(app, name=name, route_prefix=f"/{name}")
+        yield port
+    finally:
+        stop_serve()
+
+
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -35,3 +57,90 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
             return value
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def stats(app: str) -> dict:
+    """The coordinator's own counters and slot state (one replica)."""
+    return serve.get_deployment_handle("Coordinator", app_name=app).stats.remote().result(timeout_s=30)
+
+
+def health(port: int, app: str) -> httpx.Response:
+    return httpx.get(f"http://127.0.0.1:{port}/{app}/health", timeout=30)
+
+
+def idle_and_healthy(port: int, app: str) -> bool:
+    """/health answers 200 and shows every slot free, nothing running or waiting."""
+    r = health(port, app)
+    if r.status_code != 200:
+        return False
+    h = r.json()
+    return h["free_slots"] == h["num_slots"] and h["running"] == 0 and h["waiting"] == 0
+
+
+def slow_stream_body(model: str, max_tokens: int = 320, **extra) -> dict:
+    """A greedy streamed completion that takes many denoising steps per 32-token block."""
+    return {"model": model, "prompt": "slow", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0, "diffusion": {"policy": "low_confidence", "max_denoising_steps": 32}, **extra}
+
+
+def sse_payloads(lines) -> list[str]:
+    """The `data:` payloads of a server-sent event stream, in order."""
+    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+
+
+def assert_openai_error(body: dict, status: int, param: str | None = None) -> dict:
+    """{"error": {"message", "type", "param", "code"}} with a message; `param` checked when given."""
+    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, body
+    error = body["error"]
+    assert isinstance(error["message"], str) and error["message"], body
+    if status == 400:
+        assert error["type"] == "invalid_request_error", body
+    if param is not None:
+        assert error["param"] == param, body
+    return error
+
+
+def assert_stream_ended_with_error(payloads: list[str]) -> dict:
+    """An error after the stream began: one {"error": ...} event, then [DONE], nothing after."""
+    assert len(payloads) >= 2 and payloads[-1] == "[DONE]", payloads[-3:]
+    return assert_openai_error(json.loads(payloads[-2]), 503)
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def app_processes(app: str) -> dict[str, int]:
+    """name -> pid of an app's processes: its Serve replicas (titled `ray::ServeReplica:<app>:<name>`,
+    found in Linux /proc) and its shard ranks (`shard<rank>`, from the coordinator's stats)."""
+    found = {f"shard{rank}": pid for rank, pid in enumerate(stats(app)["shard_pids"])}
+    prefix = f"ray::ServeReplica:{app}:"
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if title.startswith(prefix):  # the title ends in the method running, if any: "...:Coordinator.stats"
+            found[title[len(prefix):].split()[0].split(".")[0]] = int(proc.name)
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    """False once the process is gone or a zombie (killed, not yet reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def kill_if_alive(pid: int) -> None:
+    """Test hygiene for a process this test stopped or killed (a shard of its own Ray)."""
+    if pid_alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)

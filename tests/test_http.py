@@ -1,19 +1,15 @@
-"""The Serve app over real HTTP with the real `openai` client, on a tiny checkpoint on CPU."""
+"""The Serve app over real HTTP with the real `openai` client, on a tiny checkpoint on CPU. (Shard
+faults: test_http_faults.py; overload and disconnects: test_http_load.py; bad input, each named by its
+`param`: test_http_fuzz.py.)"""
 import concurrent.futures as cf
-import json
-import os
-import signal
-import time
 
 import httpx
 import openai
 import pytest
-import ray
-from ray import serve
 
 from deployments.app import build_app
 from model.tiny import write_diffusion_gemma
-from tests.serve_harness import start_serve, stop_serve, wait_until
+from tests.serve_harness import serving
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -21,25 +17,18 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def server(tiny_nemotron, tmp_path_factory):
-    port = start_serve()
     common = dict(model=str(tiny_nemotron), served_model_name=MODEL, max_model_len=512, max_steps_per_command=8)
-    serve.run(build_app({**common, "max_num_seqs": 4, "max_queue": 2, "api_key": KEY}), name="tp1",
-              route_prefix="/tp1")
-    serve.run(build_app({**common, "max_num_seqs": 4, "tensor_parallel_size": 2}), name="tp2", route_prefix="/tp2")
     gemma = write_diffusion_gemma(tmp_path_factory.mktemp("tiny-gemma-http"), seed=0)
-    serve.run(build_app({"model": str(gemma), "served_model_name": "gemma", "max_model_len": 256}), name="gemma",
-              route_prefix="/gemma")
-    yield port
-    stop_serve()
+    with serving({"tp1": build_app({**common, "max_num_seqs": 4, "max_queue": 2, "api_key": KEY}),
+                  "tp2": build_app({**common, "max_num_seqs": 4, "tensor_parallel_size": 2}),
+                  "gemma": build_app({"model": str(gemma), "served_model_name": "gemma", "max_model_len": 256})}
+                 ) as port:
+        yield port
 
 
 def client(server, app="tp1", **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/{app}/v1", api_key=KEY, max_retries=0,
                          timeout=120, **kw)
-
-
-def stats(app: str) -> dict:
-    return serve.get_deployment_handle("Coordinator", app_name=app).stats.remote().result()
 
 
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
@@ -116,22 +105,6 @@ def test_tp2_over_ray_actors_equals_tp1(server):
     assert a.logprobs.tokens == b.logprobs.tokens
 
 
-@pytest.mark.parametrize("field,value,param", [
-    ("temperature", -1, "temperature"), ("top_p", 0, "top_p"), ("top_k", -5, "top_k"), ("logprobs", 21, "logprobs"),
-    ("max_tokens", 0, "max_tokens"), ("n", 2, "n"), ("seed", -1, "seed"), ("bogus_field", 1, "bogus_field"),
-    ("diffusion", {"threshold": 0}, "diffusion.threshold"), ("diffusion", {"mode": "x"}, "diffusion.mode"),
-    ("diffusion", {"max_denoising_steps": 0}, "diffusion.max_denoising_steps"),
-    ("max_tokens", 100_000, "max_tokens"), ("prompt", [1, 5000], "prompt"),
-])
-def test_invalid_fields_are_400_naming_them(server, field, value, param):
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, field: value}
-    r = httpx.post(f"http://127.0.0.1:{server}/tp1/v1/completions", json=body,
-                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error"
-
-
 def test_conflicts_unknown_model_auth_and_long_prompts(server):
     c = client(server)
     with pytest.raises(openai.BadRequestError, match="linear_spec.*temperature"):
@@ -150,88 +123,14 @@ def test_conflicts_unknown_model_auth_and_long_prompts(server):
 
 
 def test_health_and_metrics(server):
-    assert httpx.get(f"http://127.0.0.1:{server}/tp1/health", timeout=30).json() == {"status": "ok"}
+    assert httpx.get(f"http://127.0.0.1:{server}/tp1/health", timeout=30).json() == {
+        "status": "ok", "num_slots": 4, "free_slots": 4, "running": 0, "waiting": 0, "shard_failures": 0}
     text = httpx.get(f"http://127.0.0.1:{server}/tp1/metrics", timeout=30).text
     for name in ("dllm_committed_tokens_total", "dllm_denoising_steps_total", "dllm_canvas_positions_total",
                  "dllm_canvases_total", "dllm_free_slots"):
         assert name in text
     committed = [line for line in text.splitlines() if line.startswith("dllm_committed_tokens_total")]
     assert float(committed[0].split()[-1]) > 0
-
-
-def _slow_stream_body(max_tokens=320):
-    return {"model": MODEL, "prompt": "slow", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-            "temperature": 0, "diffusion": {"policy": "low_confidence", "max_denoising_steps": 32}}
-
-
-def test_client_disconnect_frees_the_slot(server):
-    url = f"http://127.0.0.1:{server}/tp1/v1/completions"
-    headers = {"Authorization": f"Bearer {KEY}"}
-    with httpx.Client(timeout=60) as http:
-        with http.stream("POST", url, json=_slow_stream_body(), headers=headers) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    break  # one block arrived; now hang up
-        assert stats("tp1")["running"] >= 0
-    wait_until(lambda: stats("tp1")["free_slots"] == 4, 30, "the slot to be freed after the disconnect")
-    r = client(server).completions.create(model=MODEL, prompt="after", max_tokens=5, **GREEDY)
-    assert r.usage.completion_tokens == 5
-
-
-def test_overload_gives_429_never_500_or_a_hang(server):
-    url = f"http://127.0.0.1:{server}/tp1/v1/completions"
-    headers = {"Authorization": f"Bearer {KEY}"}
-    body = dict(_slow_stream_body(96), stream=False)
-
-    def send(_):
-        t = time.monotonic()
-        r = httpx.post(url, json=body, headers=headers, timeout=120)
-        return r.status_code, r.headers.get("retry-after"), time.monotonic() - t
-
-    with cf.ThreadPoolExecutor(12) as pool:
-        results = list(pool.map(send, range(12)))
-    codes = [c for c, _, _ in results]
-    assert set(codes) <= {200, 429}, codes
-    assert codes.count(429) >= 1 and codes.count(200) >= 4
-    assert all(ra == "1" for c, ra, _ in results if c == 429)
-    assert all(t < 110 for _, _, t in results)
-    wait_until(lambda: stats("tp1")["free_slots"] == 4, 30, "slots to be free after the burst")
-
-
-def test_killed_shard_ends_request_with_error_then_recovers(server):
-    url = f"http://127.0.0.1:{server}/tp2/v1/completions"
-    before = stats("tp2")["shard_failures"]
-    t0 = time.monotonic()
-    events = []
-    with httpx.Client(timeout=60) as http:
-        with http.stream("POST", url, json=_slow_stream_body(384)) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                payload = line[len("data: "):]
-                events.append(payload)
-                if len(events) == 1:  # the request is running: kill one rank of the tp2 group
-                    os.kill(stats("tp2")["shard_pids"][-1], signal.SIGKILL)
-    assert time.monotonic() - t0 < 60
-    assert events[-1] == "[DONE]"
-    error = json.loads(events[-2])["error"]
-    assert "shard" in error["message"] and error["type"] == "service_unavailable"
-    wait_until(lambda: stats("tp2")["shard_failures"] == before + 1, 30, "the failure to be counted")
-    r = client(server, "tp2").completions.create(model=MODEL, prompt="recovered", max_tokens=33, **GREEDY)
-    assert r.usage.completion_tokens == 33
-    # a non-streamed request on a dying group gets a 503 with a reason
-    pids = stats("tp2")["shard_pids"]
-    with cf.ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(httpx.post, url, json=dict(_slow_stream_body(320), stream=False), timeout=60)
-        time.sleep(1.0)
-        os.kill(pids[0], signal.SIGKILL)
-        r = pending.result()
-    assert r.status_code == 503 and "shard" in r.json()["error"]["message"] and r.headers["retry-after"]
-    r = client(server, "tp2").completions.create(model=MODEL, prompt="again", max_tokens=5, **GREEDY)
-    assert r.usage.completion_tokens == 5
-
 
 
 def test_diffusion_gemma_served_by_the_same_app(server):

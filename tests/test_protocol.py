@@ -44,6 +44,11 @@ def _error(cls, body):
     ({"diffusion": {"mode": "x"}}, "diffusion.mode"), ({"diffusion": {"polcy": "leftmost"}}, "diffusion.polcy"),
     ({"diffusion": {"max_denoising_steps": 0}}, "diffusion.max_denoising_steps"),
     ({"prompt": ["one", "two"]}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": 3}, "prompt"),
+    # what Python's json reads but the engine must not see: NaN, Infinity, lone surrogates; any unknown key
+    ({"temperature": math.nan}, "temperature"), ({"top_p": math.inf}, "top_p"),
+    ({"diffusion": {"entropy_bound": math.inf}}, "diffusion.entropy_bound"), ({"prompt": "a\ud800"}, "prompt"),
+    ({"model": "\udfff"}, "model"), ({"user": "\ud800"}, "user"), ({"Max-Tokens": 1}, "Max-Tokens"),
+    ({"diffusion": {"Mode": "ar"}}, "diffusion.Mode"),
 ])
 def test_completion_errors_name_the_field(extra, param):
     message, got = _error(CompletionRequest, COMPLETION | extra)
@@ -76,8 +81,12 @@ def test_fastapi_error_lists():
                "type": "greater_than"}]
     assert validation_error_param(errors) == ("diffusion.threshold: Input should be greater than 0",
                                               "diffusion.threshold")
-    assert validation_error_param([{"loc": ("body", 7), "msg": "JSON decode error", "type": "json_invalid"}]) == (
-        "JSON decode error", None)
+    assert validation_error_param([{"loc": ("body", 7), "msg": "JSON decode error", "type": "json_invalid",
+                                    "ctx": {"error": "Expecting value"}}]) == (
+        "the body is not valid JSON: Expecting value at character 7", None)
+    assert validation_error_param([{"loc": ("body", "diffusion", "Policy"), "msg": "Extra inputs are not permitted",
+                                    "type": "extra_forbidden"}]) == ("diffusion.Policy: unknown field",
+                                                                     "diffusion.Policy")
 
 
 def test_requests_parse_and_normalise():
@@ -136,6 +145,23 @@ def test_decode_params_errors_name_the_fields():
     with pytest.raises(ParamError) as info:  # a bad server default still names the field
         CompletionRequest.model_validate(COMPLETION).decode_params(DEFAULTS | {"threshold": 0})
     assert info.value.param == "diffusion.threshold" and str(info.value).startswith("diffusion.threshold: ")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"temperature": 0.5, "diffusion": {"mode": "linear_spec"}}, "temperature"),      # conflicts: the later field
+    ({"diffusion": {"t_min": 0.5, "t_max": 0.5}}, "diffusion.t_max"),
+    ({"diffusion": {"t_min": 0.5, "t_max": 0.5000000001}}, "diffusion.t_max"),       # equal in fp32
+    ({"diffusion": {"t_min": 0.0, "t_max": 5e-324}}, "diffusion.t_max"),              # 0 in fp32
+    ({"top_p": 1e-46}, "top_p"), ({"diffusion": {"threshold": 1e-300}}, "diffusion.threshold"),
+    ({"top_k": 2**40}, "top_k"), ({"diffusion": {"stability_threshold": 10**30}}, "diffusion.stability_threshold"),
+    ({"diffusion": {"entropy_bound": 1e308}}, "diffusion.entropy_bound"),
+    ({"diffusion": {"t_max": 1e3}}, "diffusion.t_max"),
+])
+def test_values_the_engine_cannot_hold_are_errors_naming_the_field(extra, param):
+    """Every DecodeParams value means in the shards' fp32 / int64 tensors what it means here."""
+    with pytest.raises(ParamError) as info:
+        CompletionRequest.model_validate(COMPLETION | extra).decode_params(DEFAULTS)
+    assert info.value.param == param, info.value
 
 
 def _completion_response(tok, ids, lps, top):

@@ -13,10 +13,9 @@ import torch
 
 from model.loader import load_model
 from model.parallel.group import TPGroup, shard_range
-from tests.tp_harness import SHARDED, dense_reductions, hang_worker, raise_worker, reduction_cases
-from tests.tp_harness import run_mixed_schedule, run_tp_worker, spawn_tp
+from tests.tp_harness import SHARDED, assert_tp_matches, dense_reductions, hang_worker, raise_worker
+from tests.tp_harness import reduction_cases, run_mixed_schedule, run_tp_worker, spawn_tp
 
-TOL = 1e-5
 VOCAB = 997
 
 
@@ -26,7 +25,9 @@ def tp1(tiny_nemotron):
     return {
         "model": model,
         "params": {name: (tuple(p.shape), p.numel() * p.element_size()) for name, p in model.named_parameters()},
-        "schedule": run_mixed_schedule(model, TPGroup()),
+        "schedule": {torch.float32: run_mixed_schedule(model, TPGroup()),
+                     torch.float64: run_mixed_schedule(load_model(tiny_nemotron, TPGroup(), dtype=torch.float64,
+                                                                  show_progress=False), TPGroup())},
     }
 
 
@@ -75,22 +76,24 @@ def test_ranks_ran_as_one_group(ranks):
 @pytest.mark.parametrize("kind", ["prefill", "denoise", "commit"])
 def test_logits_match_tp1_for_each_step_kind(ranks, tp1, kind):
     """Mixed batches of prefill, denoise and commit rows over several slots: the gathered full-vocabulary
-    logits of every rank equal TP = 1's."""
+    logits of every rank equal TP = 1's, in fp64 and in fp32 (tests/tp_harness.py: assert_tp_matches)."""
     expected = tp1["schedule"]
     checked = 0
     for r in ranks:
-        for f, (got_rows, exp_rows) in enumerate(zip(r["schedule"], expected, strict=True)):
-            for b, ((k_got, got), (k_exp, exp)) in enumerate(zip(got_rows, exp_rows, strict=True)):
-                assert k_got == k_exp
-                if k_got != kind:
+        got = r["schedule"]
+        for f in range(len(expected[torch.float32])):
+            for b, (k_exp, exp) in enumerate(expected[torch.float32][f]):
+                if k_exp != kind:
                     continue
-                assert got.shape == exp.shape == (exp.shape[0], VOCAB)
-                assert not got.isnan().any(), "gather_vocab left padding in the logits"
-                diff = (got - exp).abs().max().item()
-                assert diff < TOL, f"rank {r['rank']} forward {f} row {b} ({kind}): max |diff| {diff:.3g}"
+                assert all(got[dt][f][b][0] == kind for dt in got)
+                rows = {dt: got[dt][f][b][1] for dt in got}
+                assert all(x.shape == exp.shape == (exp.shape[0], VOCAB) for x in rows.values())
+                assert not any(x.isnan().any() for x in rows.values()), "gather_vocab left padding in the logits"
+                assert_tp_matches(rows, {dt: expected[dt][f][b][1] for dt in expected},
+                                  f"rank {r['rank']} forward {f} row {b} ({kind})")
                 checked += 1
     assert checked >= len(ranks) * 2
-    assert max(e.std().item() for rows in expected for _, e in rows) > 1.0  # logits are not trivially small
+    assert max(e.std().item() for rows in expected[torch.float32] for _, e in rows) > 1.0  # not trivially small
 
 
 def test_sharded_parameters_hold_a_tp_fraction(ranks, tp1):

@@ -12,6 +12,7 @@ replica.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import time
@@ -81,7 +82,10 @@ class Coordinator:
                 self._started, self._healthy = True, True
         if self._loop_task is None or self._loop_task.done():
             self._wake = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+            # A fresh context: the loop belongs to no request. Inheriting the starting request's context
+            # would make Ray count every shard call of the loop as that request's child, and cancelling
+            # the request (a client hanging up) would cancel them, ending the loop.
+            self._loop_task = asyncio.get_running_loop().create_task(self._run(), context=contextvars.Context())
 
     # ---- requests -------------------------------------------------------------------------------
     async def generate(self, prompt: list[int], params: DecodeParams,

@@ -64,7 +64,7 @@ class RayShards:
             return await asyncio.wait_for(awaitable, timeout_s)
         except asyncio.TimeoutError:
             raise ShardFailure(f"a shard did not answer within {timeout_s:.0f} s") from None
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+        except ray.exceptions.RayError as err:  # a dead actor, a failed or a cancelled call
             lines = [line for line in str(err).splitlines() if line.strip()]
             raise ShardFailure(f"a shard failed: {type(err).__name__}: {lines[-1] if lines else ''}") from None
 

@@ -1,26 +1,39 @@
 """Per-request decoding parameters (SPEC.md sections 3, 5 and 6), validated once at the boundary.
 
-Errors name the parameter: pydantic's ValidationError carries the field as its `loc`, and
-cross-field conflicts raise ValueErrors that name every field involved.
+Errors name the parameter: pydantic's ValidationError carries the field as its `loc` (a cross-field
+conflict: the later field, its message naming both). Every value means in the shards' int64 / fp32
+tensors what it means here (finite; bounded where a larger value means nothing more; no nonzero value
+that fp32 rounds to 0; t_max > t_min in fp32), so no request can fail a step, which would fail every
+request in the batch.
 """
 from __future__ import annotations
 
+import struct
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 Mode = Literal["diffusion", "ar", "linear_spec"]
 RevealPolicy = Literal["threshold", "low_confidence", "leftmost", "entropy_bound"]
 MAX_LOGPROBS = 20
+MAX_COUNT = 2**31 - 1     # steps, top-k: beyond any canvas or vocabulary
+MAX_TEMPERATURE = 100.0
+MAX_ENTROPY = 1e4         # nats: above C * log V of any canvas and vocabulary (256 * log 2^32 = 5678)
+FLOAT_FIELDS = ("temperature", "top_p", "threshold", "entropy_bound", "t_min", "t_max", "confidence_threshold")
+
+
+def fp32(x: float) -> float:
+    """x as an fp32 tensor holds it (|x| within fp32's range)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 class DecodeParams(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     mode: Mode = "diffusion"
     # None: 0 (greedy) for linear_spec, which is greedy by definition; 1.0 otherwise (OpenAI's default).
-    temperature: float | None = Field(None, ge=0, le=100)
-    top_k: int = Field(0, ge=0, description="0 disables")
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
+    top_k: int = Field(0, ge=0, le=MAX_COUNT, description="0 disables")
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**63)
     max_tokens: int = Field(16, ge=1)
@@ -28,28 +41,43 @@ class DecodeParams(BaseModel):
     ignore_eos: bool = False
     policy: RevealPolicy = "threshold"
     threshold: float = Field(0.9, gt=0, le=1, description="tau of the threshold policy")
-    entropy_bound: float | None = Field(None, gt=0, description="gamma: the entropy_bound policy (default 0.1), "
-                                        "or DiffusionGemma's acceptance bound (default: generation_config.json)")
-    max_denoising_steps: int | None = Field(None, ge=1, description="N; None: the canvas length (masked "
-                                            "diffusion) or generation_config.json (DiffusionGemma)")
+    entropy_bound: float | None = Field(None, gt=0, le=MAX_ENTROPY, description="gamma: the entropy_bound "
+                                        "policy (default 0.1), or DiffusionGemma's acceptance bound (default: "
+                                        "generation_config.json)")
+    max_denoising_steps: int | None = Field(None, ge=1, le=MAX_COUNT, description="N; None: the canvas length "
+                                            "(masked diffusion) or generation_config.json (DiffusionGemma)")
     # DiffusionGemma's renoise sampler (SPEC.md 4); None: the checkpoint's generation_config.json
-    t_min: float | None = Field(None, ge=0)
-    t_max: float | None = Field(None, gt=0)
-    stability_threshold: int | None = Field(None, ge=0)
-    confidence_threshold: float | None = Field(None, ge=0)
+    t_min: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
+    t_max: float | None = Field(None, gt=0, le=MAX_TEMPERATURE)
+    stability_threshold: int | None = Field(None, ge=0, le=MAX_COUNT)
+    confidence_threshold: float | None = Field(None, ge=0, le=MAX_ENTROPY)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     seed_first_position: bool = Field(True, description="SPEC 3(a): canvas position 0 from the AR prediction")
     eos_early_stop: bool = Field(True, description="SPEC 3(b): stop denoising at an EOS with no mask before it")
     stream_drafts: bool = Field(False, description="snapshot the canvas being denoised every draft_every steps")
     draft_every: int = Field(4, ge=1, description="denoising steps between two drafts of a canvas")
 
-    @model_validator(mode="after")
-    def _consistent(self) -> "DecodeParams":
-        if self.mode == "linear_spec" and self.temperature not in (None, 0):
-            raise ValueError(f"mode='linear_spec' is greedy only; temperature={self.temperature} must be 0")
-        if self.t_min is not None and self.t_max is not None and self.t_max <= self.t_min:
-            raise ValueError(f"t_max={self.t_max} must be > t_min={self.t_min}")
-        return self
+    @field_validator(*FLOAT_FIELDS)
+    @classmethod
+    def _not_zero_in_fp32(cls, v: float | None) -> float | None:
+        if v and fp32(v) == 0:
+            raise ValueError(f"{v!r} is 0 in fp32, the precision the engine computes in")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_if_linear_spec(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if info.data.get("mode") == "linear_spec" and v not in (None, 0):
+            raise ValueError(f"mode='linear_spec' is greedy only; temperature={v} must be 0")
+        return v
+
+    @field_validator("t_max")
+    @classmethod
+    def _above_t_min(cls, v: float | None, info: ValidationInfo) -> float | None:
+        t_min = info.data.get("t_min")
+        if v is not None and t_min is not None and fp32(v) <= fp32(t_min):
+            raise ValueError(f"t_max={v} must be > t_min={t_min}")
+        return v
 
     def check_family(self, family: str) -> None:
         """Raises ValueError naming the parameter this model family cannot honour."""

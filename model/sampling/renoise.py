@@ -66,7 +66,7 @@ def self_condition_embedding(probs: torch.Tensor, embed: torch.Tensor, tp: TPGro
     partial = torch.matmul(probs, embed)
     if not tp.is_parallel:
         return partial
-    return tp.all_reduce(partial.float()).to(partial.dtype)
+    return tp.all_reduce(partial.to(torch.promote_types(partial.dtype, torch.float32))).to(partial.dtype)
 
 
 @dataclass

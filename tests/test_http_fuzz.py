@@ -1,0 +1,224 @@
+"""Bad input over real HTTP, for both families: a table of known-bad requests (out-of-range and
+non-finite numbers, oversized prompts, token ids out of range, huge integers, deep JSON, non-UTF-8 and
+non-JSON bodies, lone surrogates, wrong content types) and schemathesis-generated requests from the
+served OpenAPI schema of /v1/completions and /v1/chat/completions (schema-violating and valid ones).
+No response is a 5xx; every 4xx has OpenAI's error shape, and `param` names the field whenever the
+body is a JSON object; no input fails a shard; the server answers normally afterwards."""
+import collections
+import json
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+
+from deployments.app import build_app
+from deployments.protocol import ChatCompletionRequest, CompletionRequest
+from model.tiny import write_diffusion_gemma
+from tests.serve_harness import assert_openai_error, health, serving
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 64
+# per app, path and generation mode (8 combinations): a fixed sequence in `make test` (a regression
+# suite that cannot pass or fail by luck), fresh random ones under -m reliability
+FUZZ_EXAMPLES = {"fixed": 100, "random": 1000}
+REQUEST_FIELDS = {"/v1/completions": set(CompletionRequest.model_fields),
+                  "/v1/chat/completions": set(ChatCompletionRequest.model_fields)}
+tally = collections.Counter()  # the figures the module reports at its end
+
+
+@pytest.fixture(scope="module")
+def server(tiny_nemotron, tmp_path_factory):
+    common = dict(served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, max_queue=64)
+    gemma = write_diffusion_gemma(tmp_path_factory.mktemp("tiny-gemma-fuzz"), seed=0)
+    with serving({"nemotron": build_app(dict(common, model=str(tiny_nemotron))),
+                  "gemma": build_app(dict(common, model=str(gemma)))}) as port:
+        yield port
+    print(f"\nbad input: {dict(tally)}")
+
+
+def post(port: int, app: str, path: str, body=None, raw: bytes | None = None,
+         content_type: str = "application/json") -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{port}/{app}{path}", json=body if raw is None else None,
+                      content=raw, headers={"content-type": content_type} if raw is not None else None, timeout=60)
+
+
+def check_response(r: httpx.Response, path: str, body) -> None:
+    """No 5xx; a 4xx is OpenAI-shaped and, for a JSON-object body, names a field of the request (or the
+    unknown one it sent); a 200 is a whole answer."""
+    tally[r.status_code] += 1
+    assert r.status_code < 500, f"{r.status_code} for {body!r:.300}: {r.text[:300]}"
+    if r.status_code >= 400:
+        error = assert_openai_error(r.json(), r.status_code)
+        if isinstance(body, dict):
+            assert error["param"], f"no param for {body!r:.300}: {error}"
+            head = error["param"].split(".")[0].split("[")[0]
+            assert head in REQUEST_FIELDS[path] or head in body, error
+        return
+    assert r.status_code == 200
+    if isinstance(body, dict) and body.get("stream"):
+        assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text[-300:]
+    else:
+        assert r.json()["choices"], r.text[:300]
+
+
+# ---- known-bad requests --------------------------------------------------------------------------
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def raw_json(text: str) -> bytes:
+    return text.encode()
+
+
+# (id, path, body: a dict sent as JSON or bytes sent raw, content type, expected status, expected param)
+BAD = [
+    # out of range, each named (the ingress's original table)
+    ("temperature<0", C, OK | {"temperature": -1}, None, 400, "temperature"),
+    ("top_p=0", C, OK | {"top_p": 0}, None, 400, "top_p"),
+    ("top_k<-1", C, OK | {"top_k": -5}, None, 400, "top_k"),
+    ("logprobs>20", C, OK | {"logprobs": 21}, None, 400, "logprobs"),
+    ("max_tokens=0", C, OK | {"max_tokens": 0}, None, 400, "max_tokens"),
+    ("n=2", C, OK | {"n": 2}, None, 400, "n"),
+    ("seed<0", C, OK | {"seed": -1}, None, 400, "seed"),
+    ("seed=2^63", C, OK | {"seed": 2**63}, None, 400, "seed"),
+    ("unknown field", C, OK | {"bogus_field": 1}, None, 400, "bogus_field"),
+    ("unknown field, any spelling", C, OK | {"Max-Tokens": 1}, None, 400, "Max-Tokens"),
+    ("unknown nested field", C, OK | {"diffusion": {"Mode": "ar"}}, None, 400, "diffusion.Mode"),
+    ("threshold=0", C, OK | {"diffusion": {"threshold": 0}}, None, 400, "diffusion.threshold"),
+    ("mode=x", C, OK | {"diffusion": {"mode": "x"}}, None, 400, "diffusion.mode"),
+    ("max_denoising_steps=0", C, OK | {"diffusion": {"max_denoising_steps": 0}}, None, 400,
+     "diffusion.max_denoising_steps"),
+    ("stop: 5 strings", C, OK | {"stop": list("abcde")}, None, 400, "stop"),
+    ("wrong type", C, OK | {"max_tokens": "many"}, None, 400, "max_tokens"),
+    ("model not a string", C, OK | {"model": 5}, None, 400, "model"),
+    ("unknown model", C, OK | {"model": "nope"}, None, 404, "model"),
+    ("model missing", C, {"prompt": "hi"}, None, 400, "model"),
+    ("messages empty", CHAT, OK_CHAT | {"messages": []}, None, 400, "messages"),
+    ("message role", CHAT, OK_CHAT | {"messages": [{"role": "tool", "content": "x"}]}, None, 400,
+     "messages[0].role"),
+    ("image part", CHAT, OK_CHAT | {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None,
+     400, "messages[0].content"),
+    # sizes: prompts over max_model_len, token ids out of the vocabulary, huge max_tokens
+    ("prompt > max_model_len", C, OK | {"prompt": "hello " * 200}, None, 400, "prompt"),
+    ("prompt ids > max_model_len", C, OK | {"prompt": [1] + [300] * MAX_MODEL_LEN}, None, 400, "prompt"),
+    ("chat > max_model_len", CHAT, OK_CHAT | {"messages": [{"role": "user", "content": "hi " * 200}]}, None, 400,
+     "messages"),
+    ("1 MB prompt", C, OK | {"prompt": "x" * 2**20}, None, 400, "prompt"),
+    ("token id = vocab", C, OK | {"prompt": [1, 997]}, None, 400, "prompt"),
+    ("token id < 0", C, OK | {"prompt": [1, -1]}, None, 400, "prompt"),
+    ("token id 10^30", C, OK | {"prompt": [10**30]}, None, 400, "prompt"),
+    ("max_tokens 100000", C, OK | {"max_tokens": 100_000}, None, 400, "max_tokens"),
+    ("max_tokens 10^30", C, OK | {"max_tokens": 10**30}, None, 400, "max_tokens"),
+    ("max_completion_tokens 10^30", CHAT, OK_CHAT | {"max_completion_tokens": 10**30}, None, 400,
+     "max_completion_tokens"),
+    # numbers the shards' int64 / fp32 tensors cannot hold, or that mean nothing
+    ("top_k 10^30", C, OK | {"top_k": 10**30}, None, 400, "top_k"),
+    ("entropy_bound 1e308", C, OK | {"diffusion": {"policy": "entropy_bound", "entropy_bound": 1e308}}, None, 400,
+     "diffusion.entropy_bound"),
+    ("t_max 1e308", C, OK | {"diffusion": {"t_max": 1e308}}, None, 400, "diffusion.t_max"),
+    ("t_min 1e300", C, OK | {"diffusion": {"t_min": 1e300}}, None, 400, "diffusion.t_min"),
+    ("stability_threshold 10^30", C, OK | {"diffusion": {"stability_threshold": 10**30}}, None, 400,
+     "diffusion.stability_threshold"),
+    ("confidence_threshold 1e300", C, OK | {"diffusion": {"confidence_threshold": 1e300}}, None, 400,
+     "diffusion.confidence_threshold"),
+    ("max_denoising_steps 10^30", C, OK | {"diffusion": {"max_denoising_steps": 10**30}}, None, 400,
+     "diffusion.max_denoising_steps"),
+    ("5000-digit integer", C, raw_json('{"model": "tiny", "prompt": "hi", "max_tokens": ' + "9" * 5000 + "}"),
+     None, 400, None),
+    # NaN and Infinity: not JSON, but Python's json reads them
+    ("temperature NaN", C, raw_json('{"model": "tiny", "prompt": "hi", "temperature": NaN}'), None, 400,
+     "temperature"),
+    ("top_p -Infinity", C, raw_json('{"model": "tiny", "prompt": "hi", "top_p": -Infinity}'), None, 400, "top_p"),
+    ("entropy_bound Infinity", C, raw_json('{"model": "tiny", "prompt": "hi", "diffusion": {"entropy_bound": '
+                                           'Infinity}}'), None, 400, "diffusion.entropy_bound"),
+    ("t_max Infinity", C, raw_json('{"model": "tiny", "prompt": "hi", "diffusion": {"t_max": Infinity}}'), None, 400,
+     "diffusion.t_max"),
+    # bodies that are not a JSON object, or not JSON, or not UTF-8
+    ("deep JSON", C, b'{"model": "tiny", "prompt": "hi", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None,
+     400, None),
+    ("deep JSON in a field", C, OK | {"stop": json.loads("[" * 500 + "]" * 500)}, None, 400, "stop"),
+    ("non-UTF-8 bytes", C, b'{"model": "tiny", "prompt": "\xff\xfe\xfa"}', None, 400, None),
+    ("lone surrogate in prompt", C, raw_json('{"model": "tiny", "prompt": "\\ud800", "max_tokens": 2}'), None, 400,
+     "prompt"),
+    ("lone surrogate in content", CHAT, raw_json('{"model": "tiny", "messages": [{"role": "user", '
+                                                 '"content": "a\\udfffb"}]}'), None, 400, "messages[0].content"),
+    ("lone surrogate in model", C, raw_json('{"model": "\\ud800", "prompt": "hi"}'), None, 400, "model"),
+    ("lone surrogate in stop", C, raw_json('{"model": "tiny", "prompt": "hi", "stop": ["\\ud800"]}'), None, 400,
+     "stop"),
+    ("not JSON", C, b"model=tiny&prompt=hi", None, 400, None),
+    ("trailing garbage", C, b'{"model": "tiny", "prompt": "hi"} x', None, 400, None),
+    ("empty body", C, b"", None, 400, None),
+    ("JSON list", C, b'[{"model": "tiny", "prompt": "hi"}]', None, 400, None),
+    ("JSON string", CHAT, b'"hi"', None, 400, None),
+    ("text/plain", C, json.dumps(OK).encode(), "text/plain", 400, None),
+    ("form content type", C, b"model=tiny&prompt=hi", "application/x-www-form-urlencoded", 400, None),
+]
+
+
+@pytest.mark.parametrize("app", ["nemotron", "gemma"])
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input_is_rejected_naming_the_field(server, app, case):
+    _, path, body, content_type, status, param = case
+    raw = body if isinstance(body, bytes) else None
+    r = post(server, app, path, None if raw is not None else body, raw, content_type or "application/json")
+    tally["known-bad requests"] += 1
+    assert r.status_code == status, r.text[:300]
+    error = assert_openai_error(r.json(), status, param)
+    if param is None:  # only when the body is not a JSON object at all: nothing to name
+        assert not isinstance(body, dict)
+
+
+# ---- generated from the served OpenAPI schema ----------------------------------------------------
+
+def _served_model(drawn):
+    """Most generated bodies name the served model, so valid ones reach the engine (the rest check the
+    404 of an unknown model)."""
+    case, served = drawn
+    if served and isinstance(case.body, dict) and "model" in case.body:
+        case.body["model"] = MODEL
+    return case
+
+
+@pytest.mark.parametrize("draw", ["fixed", pytest.param("random", marks=pytest.mark.reliability)])
+@pytest.mark.parametrize("mode", [GenerationMode.NEGATIVE, GenerationMode.POSITIVE], ids=["invalid", "valid"])
+@pytest.mark.parametrize("path", [C, CHAT])
+@pytest.mark.parametrize("app", ["nemotron", "gemma"])
+def test_requests_generated_from_the_served_schema(server, app, path, mode, draw):
+    base = f"http://127.0.0.1:{server}/{app}"
+    schema = schemathesis.openapi.from_dict(httpx.get(f"{base}/openapi.json", timeout=30).json())
+    operation = schema[path]["POST"]
+
+    @settings(max_examples=FUZZ_EXAMPLES[draw], deadline=None, database=None, derandomize=draw == "fixed",
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(case=st.tuples(operation.as_strategy(generation_mode=mode), st.integers(0, 3).map(bool)).map(_served_model))
+    def run(case):
+        body = case.body if isinstance(case.body, (dict, list, str, int, float, bool)) else None
+        check_response(case.call(base_url=base, timeout=60), path, body)
+        tally[f"generated {mode.value}"] += 1
+
+    run()
+
+
+def test_no_bad_input_failed_a_shard(server):
+    """After every bad input above: healthy, no shard failure, every slot free, and a normal answer."""
+    for app, path, body in [("nemotron", C, OK), ("gemma", C, OK), ("nemotron", CHAT, OK_CHAT)]:
+        h = health(server, app).json()
+        assert h["shard_failures"] == 0 and h["free_slots"] == h["num_slots"], h
+        r = post(server, app, path, body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_diffusion_gemma_schedule_is_checked_against_the_checkpoint(server):
+    """The tiny checkpoint's generation_config.json has t_min 0.4, t_max 0.8: one end given alone must
+    still leave t_max > t_min, checked at the ingress (else the shard's own check fails the step)."""
+    for diffusion, param in [({"t_max": 0.3}, "diffusion.t_max"), ({"t_min": 0.9}, "diffusion.t_max")]:
+        r = post(server, "gemma", C, OK | {"diffusion": diffusion})
+        assert r.status_code == 400, r.text[:300]
+        assert_openai_error(r.json(), 400, param)
+    assert health(server, "gemma").json()["shard_failures"] == 0
+    assert post(server, "gemma", C, OK | {"diffusion": {"t_max": 0.5}}).status_code == 200

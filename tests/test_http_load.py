@@ -1,0 +1,178 @@
+"""Load over real HTTP: bursts far beyond the slots and the queue are each answered (200, or 429/503 with
+Retry-After), none dropped or hung; streams the client abandons mid-way free their slots; and the
+server answers exactly as before afterwards. The 256-way burst is marked `reliability`."""
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from deployments.app import build_app
+from tests.serve_harness import (assert_openai_error, health, idle_and_healthy, serving, slow_stream_body,
+                                 sse_payloads, stats, wait_until)
+
+APP, MODEL = "load", "tiny"
+NUM_SLOTS, MAX_QUEUE = 4, 4
+REQUEST_BOUND_S = 120.0
+PROBE = {"model": MODEL, "prompt": "unaffected", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+         "logprobs": 2}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_nemotron):
+    args = dict(model=str(tiny_nemotron), served_model_name=MODEL, max_num_seqs=NUM_SLOTS, max_queue=MAX_QUEUE,
+                max_model_len=512, max_steps_per_command=8)
+    # "fresh": an app whose step loop no request has started yet (test_loop_outlives_...)
+    with serving({APP: build_app(args), "fresh": build_app(args)}) as port:
+        yield port
+
+
+def url(port: int, app: str = APP) -> str:
+    return f"http://127.0.0.1:{port}/{app}/v1/completions"
+
+
+def probe(port: int) -> dict:
+    r = httpx.post(url(port), json=PROBE, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+@pytest.fixture(scope="module")
+def before(server) -> dict:
+    return probe(server)
+
+
+def assert_unaffected(port: int, before: dict) -> None:
+    """Idle with every slot free (within 30 s), no shard failure, and the probe's answer unchanged."""
+    wait_until(lambda: idle_and_healthy(port, APP), 30, "every slot to be free and the server healthy")
+    assert health(port, APP).json()["shard_failures"] == 0
+    after = probe(port)
+    assert after["text"] == before["text"]
+    assert after["logprobs"]["token_logprobs"] == pytest.approx(before["logprobs"]["token_logprobs"], abs=1e-4)
+
+
+# ---- overload ------------------------------------------------------------------------------------
+
+async def _one(http: httpx.AsyncClient, port: int, i: int) -> dict:
+    """Request i of a burst: every other one streamed; returns what a client would see."""
+    body = slow_stream_body(MODEL, 96, stream=i % 2 == 0)
+    t0 = time.monotonic()
+    async with http.stream("POST", url(port), json=body) as r:
+        raw = [line async for line in r.aiter_lines()]
+    out = {"status": r.status_code, "retry_after": r.headers.get("retry-after"), "s": time.monotonic() - t0,
+           "stream": body["stream"]}
+    if r.status_code == 200 and body["stream"]:
+        out["payloads"] = sse_payloads(raw)
+    else:
+        out["body"] = json.loads("".join(raw))
+    return out
+
+
+async def _burst(port: int, n: int) -> list[dict]:
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=REQUEST_BOUND_S, limits=limits) as http:
+        return await asyncio.wait_for(asyncio.gather(*[_one(http, port, i) for i in range(n)]),
+                                      REQUEST_BOUND_S + 30)
+
+
+def check_burst(results: list[dict]) -> dict:
+    codes = [r["status"] for r in results]
+    assert set(codes) <= {200, 429, 503}, codes
+    for r in results:
+        if r["status"] != 200:
+            error = assert_openai_error(r["body"], r["status"])
+            assert r["retry_after"] == "1" and error["type"] in ("rate_limit_exceeded", "service_unavailable")
+        elif r["stream"]:
+            assert r["payloads"][-1] == "[DONE]" and not any('"error"' in p for p in r["payloads"]), r
+            chunks = [json.loads(p) for p in r["payloads"][:-1]]
+            assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) >= 1
+        else:
+            assert r["body"]["usage"]["completion_tokens"] == 96
+        assert r["s"] < REQUEST_BOUND_S
+    # every request admitted to a slot or the queue was served: at least that many 200s
+    assert codes.count(200) >= NUM_SLOTS + MAX_QUEUE and codes.count(429) >= 1
+    return {c: codes.count(c) for c in sorted(set(codes))}
+
+
+@pytest.mark.parametrize("n", [pytest.param(12, id="12"), pytest.param(256, id="256", marks=pytest.mark.reliability)])
+def test_burst_beyond_the_queue_is_answered_never_dropped(server, before, n):
+    t0 = time.monotonic()
+    counts = check_burst(asyncio.run(_burst(server, n)))
+    print(f"\n{n} concurrent requests against {NUM_SLOTS} slots + a queue of {MAX_QUEUE}: {counts} "
+          f"in {time.monotonic() - t0:.1f} s; none dropped or hung")
+    assert_unaffected(server, before)
+
+
+# ---- disconnects ---------------------------------------------------------------------------------
+
+async def _abandon_stream(http: httpx.AsyncClient, port: int, blocks: int) -> int:
+    """Streams a slow completion and hangs up after `blocks` blocks; the number of blocks seen."""
+    seen = 0
+    async with http.stream("POST", url(port), json=slow_stream_body(MODEL, 320)) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+                if seen == blocks:
+                    break
+    return seen
+
+
+async def _abandon_whole(port: int) -> bool:
+    """A non-streamed slow completion whose client gives up after 0.5 s; True if it did give up."""
+    async with httpx.AsyncClient(timeout=0.5) as http:
+        try:
+            await http.post(url(port), json=dict(slow_stream_body(MODEL, 320), stream=False))
+        except httpx.TimeoutException:
+            return True
+    return False
+
+
+async def _disconnects(port: int, streams: int, wholes: int) -> tuple[list[int], list[bool]]:
+    gate = asyncio.Semaphore(NUM_SLOTS)  # at most a slot's worth at once: none is turned away with a 429
+
+    async def stream(i):
+        async with gate:
+            return await _abandon_stream(http, port, 1 + i % 3)
+
+    async def whole():
+        async with gate:
+            return await _abandon_whole(port)
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        jobs = [stream(i) for i in range(streams)] + [whole() for _ in range(wholes)]
+        results = await asyncio.wait_for(asyncio.gather(*jobs), 600)
+    return results[:streams], results[streams:]
+
+
+def test_abandoned_requests_free_their_slots(server, before):
+    """100 streams cancelled after 1-3 blocks and 10 non-streamed requests given up on: 0 leaked slots
+    (/health and /metrics show every slot free), and later requests answer as before."""
+    t0 = time.monotonic()
+    seen, gave_up = asyncio.run(_disconnects(server, 100, 10))
+    assert all(n >= 1 for n in seen) and all(gave_up)  # each hung up mid-stream / mid-request
+    assert_unaffected(server, before)
+    metrics = httpx.get(f"http://127.0.0.1:{server}/{APP}/metrics", timeout=30).text
+    assert f'dllm_free_slots{{model="{MODEL}"}} {float(NUM_SLOTS)}' in metrics
+    print(f"\n{len(seen)} streams cancelled mid-stream ({sum(seen)} blocks read) and {len(gave_up)} non-streamed "
+          f"requests abandoned in {time.monotonic() - t0:.1f} s: 0 slots leaked")
+
+
+def test_loop_outlives_the_request_that_started_it(server):
+    """The step loop starts inside the first request. Its client hanging up must not end the loop: a
+    request running beside it still finishes, and no new request is needed to get it going again."""
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("POST", url(server, "fresh"), json=slow_stream_body(MODEL, 320)) as first:
+                lines = first.aiter_lines()  # held open: leaving an async for would close the stream
+                while not (await anext(lines)).startswith("data: {"):
+                    pass
+                other = asyncio.create_task(http.post(url(server, "fresh"),
+                                                      json=dict(slow_stream_body(MODEL, 160), stream=False)))
+                await asyncio.to_thread(wait_until, lambda: stats("fresh")["running"] == 2, 30, "both to run")
+                await first.aclose()  # the first request's client hangs up; the other must still finish
+            return await asyncio.wait_for(other, 60)
+
+    r = asyncio.run(scenario())
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 160
