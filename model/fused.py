@@ -52,8 +52,9 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 # ---- Ministral-3 (Nemotron-Labs-Diffusion) --------------------------------------------------------
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """w * x / rms(x): normalised in fp32, cast back before the weight (Ministral-3's order)."""
-    h = x.float()
+    """w * x / rms(x): normalised in fp32 (an fp64 model's in fp64), cast back before the weight
+    (Ministral-3's order)."""
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
@@ -90,11 +91,12 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 # ---- Gemma-4 (DiffusionGemma) ---------------------------------------------------------------------
 
 def _gemma_rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x * (mean(x^2) + eps)^-1/2 [* w], all in fp32 and cast back once (the weight used as is)."""
-    h = x.float()
+    """x * (mean(x^2) + eps)^-1/2 [* w], all in fp32 (an fp64 model's in fp64) and cast back once (the
+    weight used as is)."""
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
     h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
     if weight is not None:
-        h = h * weight.float()
+        h = h * weight.to(h.dtype)
     return h.type_as(x)
 
 

@@ -49,6 +49,19 @@ def serving(apps: dict[str, object]) -> Iterator[int]:
         stop_serve()
 
 
+def completions_url(port: int, app: str) -> str:
+    return f"http://127.0.0.1:{port}/{app}/v1/completions"
+
+
+def greedy_choice(port: int, app: str, body: dict) -> dict:
+    """The one choice of a completion that must succeed (a probe before and after a disturbance)."""
+    import httpx
+
+    r = httpx.post(completions_url(port, app), json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

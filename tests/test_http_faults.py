@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from deployments.app import build_app
-from tests.serve_harness import (assert_openai_error, assert_stream_ended_with_error, health, kill_if_alive, pid_alive,
-                                 serving, slow_stream_body, sse_payloads, stats, wait_until)
+from tests.serve_harness import (assert_openai_error, assert_stream_ended_with_error, completions_url,
+                                 greedy_choice, health, kill_if_alive, pid_alive, serving, slow_stream_body,
+                                 sse_payloads, stats, wait_until)
 
 APP, MODEL = "faults", "tiny"
 NUM_SLOTS, MAX_QUEUE = 4, 8
@@ -33,7 +34,7 @@ def server(tiny_nemotron):
 
 
 def url(port: int) -> str:
-    return f"http://127.0.0.1:{port}/{APP}/v1/completions"
+    return completions_url(port, APP)
 
 
 PROBE = {"model": MODEL, "prompt": "after the fault", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
@@ -41,9 +42,7 @@ PROBE = {"model": MODEL, "prompt": "after the fault", "max_tokens": 40, "tempera
 
 
 def probe(port: int) -> dict:
-    r = httpx.post(url(port), json=PROBE, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]
+    return greedy_choice(port, APP, PROBE)
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from deployments.app import build_app
-from tests.serve_harness import (assert_openai_error, health, idle_and_healthy, serving, slow_stream_body,
-                                 sse_payloads, stats, wait_until)
+from tests.serve_harness import (assert_openai_error, completions_url, greedy_choice, health,
+                                 idle_and_healthy, serving, slow_stream_body, sse_payloads, stats, wait_until)
 
 APP, MODEL = "load", "tiny"
 NUM_SLOTS, MAX_QUEUE = 4, 4
@@ -29,13 +29,11 @@ def server(tiny_nemotron):
 
 
 def url(port: int, app: str = APP) -> str:
-    return f"http://127.0.0.1:{port}/{app}/v1/completions"
+    return completions_url(port, app)
 
 
 def probe(port: int) -> dict:
-    r = httpx.post(url(port), json=PROBE, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]
+    return greedy_choice(port, APP, PROBE)
 
 
 @pytest.fixture(scope="module")
