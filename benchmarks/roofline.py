@@ -9,9 +9,10 @@ from ONE run on one GPU, dummy weights in bf16.
       batch 1, canvas 256, 16 forced steps, 1024-token prompt, 256 and 768 new tokens
   P4  committed tok/s at 16 concurrent requests / at 1 (8B, canvas 32)
   SC  DiffusionGemma step time with self-conditioning / without (TP = 1)
+  BI  batch-invariant mode's step time / the default's (8B at batch 1 and 16; 26B-A4B at batch 1)
 plus torch.profiler's top kernels of a step of each family.
 
-    python3 -m benchmarks.roofline [--out result.json] [--skip served,transformers,profile]
+    python3 -m benchmarks.roofline [--out result.json] [--skip served,transformers,profile,invariant]
 """
 from __future__ import annotations
 
@@ -140,6 +141,16 @@ def nemotron(work: Path, bandwidth: float, result: dict, skip: set[str]) -> None
         result["nemotron_8b"]["profile"] = profile_step(runner, prompt, params)
     del runner
     free_cuda()
+    if "invariant" not in skip:
+        runner = build_runner(str(model_dir), _tp1(), 16, 1024, "bfloat16", "cuda", "dummy", STEPS_PER_COMMAND,
+                              batch_invariant=True)
+        inv = {"batch1": timed(runner, [prompt], params),
+               "batch16": timed(runner, [prompt[:-1] + [2000 + i] for i in range(16)], params)}
+        result["nemotron_8b"]["batch_invariant"] = inv
+        result["BI_nemotron"] = {n: inv[f"batch{n}"]["steady_step_s"] / base["steady_step_s"]
+                                 for n, base in ((1, one), (16, many))}
+        del runner
+        free_cuda()
     if "served" not in skip:
         served = served_rate(model_dir, prompt, params)
         result["nemotron_8b"]["served"] = served
@@ -192,6 +203,14 @@ def diffusion_gemma(work: Path, bandwidth: float, result: dict, skip: set[str]) 
         result["diffusion_gemma_26b"]["profile"] = profile_step(runner, prompt, DecodeParams(max_tokens=768, **fixed))
     del runner
     free_cuda()
+    if "invariant" not in skip:
+        runner = build_runner(str(model_dir), _tp1(), 1, 2048, "bfloat16", "cuda", "dummy", STEPS_PER_COMMAND,
+                              batch_invariant=True)
+        inv = timed(runner, [prompt], DecodeParams(max_tokens=256, **fixed))
+        result["diffusion_gemma_26b"]["batch_invariant"] = inv
+        result["BI_diffusion_gemma"] = inv["steady_step_s"] / ours[256]["steady_step_s"]
+        del runner
+        free_cuda()
     if "transformers" not in skip:
         reference = transformers_generate(model_dir, prompt, fixed)
         result["diffusion_gemma_26b"]["transformers"] = reference
@@ -263,7 +282,10 @@ def summary(r: dict) -> str:
             ("P3 ours / transformers generate, 256 new", (r.get("P3") or {}).get(256), ">= 8"),
             ("P3 ours / transformers generate, 768 new", (r.get("P3") or {}).get(768), ">= 8"),
             ("P4 tok/s 16 concurrent / 1", r.get("P4"), ">= 8"),
-            ("SC self-conditioning on / off step time", r.get("SC"), "<= 1.03")]
+            ("SC self-conditioning on / off step time", r.get("SC"), "<= 1.03"),
+            ("BI batch-invariant / default step time, 8B batch 1", (r.get("BI_nemotron") or {}).get(1), "cost"),
+            ("BI batch-invariant / default step time, 8B batch 16", (r.get("BI_nemotron") or {}).get(16), "cost"),
+            ("BI batch-invariant / default step time, 26B-A4B", r.get("BI_diffusion_gemma"), "cost")]
     lines = [f"{'ratio':58} {'measured':>9}  target"]
     lines += [f"{name:58} {value:9.3f}  {target}" if value is not None else f"{name:58} {'-':>9}  {target}"
               for name, value, target in rows]

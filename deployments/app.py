@@ -340,7 +340,8 @@ def build_app(args: dict):
     use_gpu = a.use_gpu()
     load_model_config(model_dir).check_tensor_parallel(a.tensor_parallel_size)  # fail at deploy, not at request
     runner_args = dict(num_slots=a.max_num_seqs, max_model_len=a.max_model_len, dtype=a.torch_dtype(),
-                       load_format=a.load_format, max_steps_per_command=a.max_steps_per_command)
+                       load_format=a.load_format, max_steps_per_command=a.max_steps_per_command,
+                       batch_invariant=a.batch_invariant)
     engine_args = dict(num_slots=a.max_num_seqs, max_model_len=a.max_model_len, max_queue=a.max_queue,
                        max_steps_per_command=a.max_steps_per_command, request_timeout_s=a.request_timeout_s)
     coordinator = CoordinatorDeployment.options(

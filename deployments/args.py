@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_MODEL_CACHE = Path(os.environ.get("DLLM_CACHE", Path.home() / ".cache" / "dllm-serve"))
 
@@ -26,6 +26,8 @@ class AppArgs(BaseModel):
     # A command runs this many steps on the shards without a host read; a request that finishes
     # mid-command waits for its end (latency), a shorter command costs more round trips (throughput).
     max_steps_per_command: int = Field(8, ge=1, le=256)
+    batch_invariant: bool = Field(False, description="a request's tokens and logprobs the same bits alone or in any "
+                                  "batch (CUDA; fixed-order kernels, slower: see the README's speed table)")
     num_replicas: int = Field(1, ge=1)
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     api_key: str | None = None
@@ -42,6 +44,12 @@ class AppArgs(BaseModel):
     t_max: float | None = Field(None, gt=0)
     stability_threshold: int | None = Field(None, ge=0)
     confidence_threshold: float | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _invariance_needs_cuda(self) -> "AppArgs":
+        if self.batch_invariant and not self.use_gpu():
+            raise ValueError("batch_invariant=true needs device=cuda (its fixed-order kernels are triton's)")
+        return self
 
     def model_dir(self) -> str:
         return self.model or str(default_model_dir())

@@ -29,7 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import batch_invariant
 from model.attention import cached_attention, get_step_context
+from model.batch_invariant import linear, row_sum
 from model.config import FULL, SLIDING, DiffusionGemmaConfig, LayerRope
 from model.fused import (add_gemma_rms_norm, gelu_mul, gemma_feedforward_inputs, gemma_feedforward_out,
                          gemma_qkv, gemma_rms_norm)
@@ -78,7 +80,7 @@ class ReplicatedLinear(nn.Module):
         self.weight = new_param(output_size, input_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class GemmaQKVParallelLinear(nn.Module):
@@ -111,7 +113,7 @@ class GemmaQKVParallelLinear(nn.Module):
         copy_into(param.data.narrow(0, offset, self.sizes[shard_id]), rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class DiffusionGemmaAttention(nn.Module):
@@ -153,7 +155,7 @@ class GemmaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(gelu_mul(self.gate_up_proj(x)), self.down_proj.weight)
+        return linear(gelu_mul(self.gate_up_proj(x)), self.down_proj.weight)
 
 
 class GemmaRouter(nn.Module):
@@ -174,7 +176,7 @@ class GemmaRouter(nn.Module):
         scores = self.proj(normed)
         probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / row_sum(weights).unsqueeze(-1)
         return weights * self.per_expert_scale[ids], ids
 
 
@@ -215,12 +217,20 @@ class GemmaExperts(nn.Module):
             0, flat, torch.ones_like(flat))
         ends = torch.cumsum(counts, 0).to(torch.int32)
         y = _grouped_linear(gelu_mul(_grouped_linear(x[token], self.gate_up_proj, ends)), self.down_proj, ends)
-        y = (y * weights.flatten()[order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token, y)
+        y = y * weights.flatten()[order, None]
+        if batch_invariant.enabled():  # each token's k outputs summed in slot order (index_add_'s atomics race)
+            pairs = torch.empty_like(y).index_copy_(0, order, y).view(-1, k, y.shape[-1])
+            total = pairs[:, 0]
+            for j in range(1, k):
+                total = total + pairs[:, j]
+            return total.to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
 
 def _grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Rows of x [N, in] sorted by group, group g = rows [ends[g-1], ends[g]) -> x_g @ w[g]^T ([E, out, in])."""
+    if batch_invariant.enabled() and x.is_cuda:
+        return batch_invariant.grouped_matmul(x, w, ends)
     if _grouped_mm_takes(x):
         return F.grouped_mm(x, w.transpose(1, 2), offs=ends)
     # every row with its own group's weight: dtypes grouped_mm lacks (fp32 on CUDA, the tests' float64);
@@ -396,7 +406,7 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's raw logits before the softcap, in the model's dtype (the sampler softcaps them in
         fp32 as it reads them)."""
-        return F.linear(hidden, self.decoder.embed_tokens.weight)
+        return linear(hidden, self.decoder.embed_tokens.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         cap = self.logit_softcap

@@ -15,6 +15,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from model import batch_invariant
+from model.batch_invariant import mean_square
+
 log = logging.getLogger("dllm.fused")
 
 
@@ -26,7 +29,9 @@ def fused(fn):
     @functools.wraps(fn)
     def call(*args):
         nonlocal compiled
-        if not args[0].is_cuda or compiled is False:
+        # batch-invariant mode: as written, its norms' sums by model.kernels.invariant's row kernel
+        # (inductor picks reduction layouts by shape)
+        if not args[0].is_cuda or compiled is False or batch_invariant.enabled():
             return fn(*args)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True, fullgraph=True)
@@ -55,7 +60,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """w * x / rms(x): normalised in fp32 (an fp64 model's in fp64), cast back before the weight
     (Ministral-3's order)."""
     h = x.to(torch.promote_types(x.dtype, torch.float32))
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = h * torch.rsqrt(mean_square(h) + eps)
     return weight * h.to(x.dtype)
 
 
@@ -94,7 +99,7 @@ def _gemma_rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torc
     """x * (mean(x^2) + eps)^-1/2 [* w], all in fp32 (an fp64 model's in fp64) and cast back once (the
     weight used as is)."""
     h = x.to(torch.promote_types(x.dtype, torch.float32))
-    h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    h = h * torch.pow(mean_square(h) + eps, -0.5)
     if weight is not None:
         h = h * weight.to(h.dtype)
     return h.type_as(x)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from model.attention import KVCache, LayeredKVCache, step_context
+from model.batch_invariant import batch_invariant
 from model.config import RenoiseDefaults
 from model.drafts import DraftBuffer
 from model.graphs import StepGraphs, bucket, device_context
@@ -35,11 +36,15 @@ CANVAS_MODES = ("diffusion", "linear_spec")
 class Runner:
     def __init__(self, model, num_slots: int, max_model_len: int, device: torch.device | str = "cpu",
                  cuda_graphs: bool | None = None, renoise_defaults: RenoiseDefaults | None = None,
-                 max_steps_per_command: int = 64, sampler_passes: VocabPasses = TORCH_PASSES):
+                 max_steps_per_command: int = 64, sampler_passes: VocabPasses = TORCH_PASSES,
+                 batch_invariant: bool = False):
         cfg = model.config
         self.model, self.tp, self.device = model, model.tp, torch.device(device)
         self.C, self.mask_id = cfg.canvas_length, cfg.mask_token_id   # no mask token: uniform-noise family
         self.family = cfg.family
+        if batch_invariant and self.device.type != "cuda":
+            raise ValueError("batch_invariant needs device cuda (its fixed-order kernels are triton's)")
+        self.batch_invariant = batch_invariant
         self.max_model_len = max_model_len
         dtype = next(model.parameters()).dtype
         # + C: a canvas (or a verify) may write scratch KV past the budget's last token
@@ -69,7 +74,7 @@ class Runner:
 
     # ---- commands -------------------------------------------------------------------------------
     def execute(self, cmd: Command) -> Events:
-        with torch.inference_mode():
+        with torch.inference_mode(), batch_invariant(self.batch_invariant):
             for slot in cmd.release:
                 self.slots.info.pop(slot, None)
             admitted = self._admit(cmd.admit)

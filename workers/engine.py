@@ -18,9 +18,10 @@ from workers.shard_group import InProcessShards, ProcessShards
 class Engine:
     def __init__(self, model_dir: str, *, tp: int = 1, num_slots: int = 8, max_model_len: int = 1024,
                  max_queue: int = 256, max_steps_per_command: int = 8, dtype: str | None = None,
-                 device: str = "cpu", seed: int = 0, load_format: str = "safetensors"):
+                 device: str = "cpu", seed: int = 0, load_format: str = "safetensors", batch_invariant: bool = False):
         kwargs = dict(num_slots=num_slots, max_model_len=max_model_len, dtype=dtype, device=device,
-                      load_format=load_format, max_steps_per_command=max_steps_per_command)
+                      load_format=load_format, max_steps_per_command=max_steps_per_command,
+                      batch_invariant=batch_invariant)
         self.shards = InProcessShards(str(model_dir), **kwargs) if tp == 1 else \
             ProcessShards(str(model_dir), tp, **kwargs)
         cfg = self.shards.config

@@ -49,7 +49,8 @@ class ShardWorker:
             tp = TPGroup.from_default_group()
         a = self.args
         self.runner = build_runner(a["model_dir"], tp, a["num_slots"], a["max_model_len"], a["dtype"],
-                                   self.device, a["load_format"], a["max_steps_per_command"])
+                                   self.device, a["load_format"], a["max_steps_per_command"],
+                                   a.get("batch_invariant", False))
         return True
 
     def execute(self, cmd: Command) -> Events | None:

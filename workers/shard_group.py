@@ -28,13 +28,15 @@ class ShardFailure(RuntimeError):
 
 
 def build_runner(model_dir: str, tp: TPGroup, num_slots: int, max_model_len: int, dtype, device: str,
-                 load_format: str = "safetensors", max_steps_per_command: int = 64) -> Runner:
+                 load_format: str = "safetensors", max_steps_per_command: int = 64,
+                 batch_invariant: bool = False) -> Runner:
     model = load_model(model_dir, tp, dtype=dtype, device=device, load_format=load_format)
     renoise = None
     if model.config.family == "diffusion-gemma":
         renoise = RenoiseDefaults.from_generation(load_generation_defaults(model_dir))
     return Runner(model, num_slots=num_slots, max_model_len=max_model_len, device=device, renoise_defaults=renoise,
-                  max_steps_per_command=max_steps_per_command, sampler_passes=sampler_passes(device))
+                  max_steps_per_command=max_steps_per_command, sampler_passes=sampler_passes(device),
+                  batch_invariant=batch_invariant)
 
 
 def sampler_passes(device: str) -> VocabPasses:
@@ -48,9 +50,10 @@ def sampler_passes(device: str) -> VocabPasses:
 
 class InProcessShards:
     def __init__(self, model_dir: str, *, num_slots: int, max_model_len: int, dtype=None, device: str = "cpu",
-                 load_format: str = "safetensors", max_steps_per_command: int = 64):
+                 load_format: str = "safetensors", max_steps_per_command: int = 64,
+                 batch_invariant: bool = False):
         self.runner = build_runner(model_dir, TPGroup(), num_slots, max_model_len, dtype, device, load_format,
-                                   max_steps_per_command)
+                                   max_steps_per_command, batch_invariant)
         self.config = self.runner.model.config
 
     def execute(self, cmd: Command) -> Events:
@@ -69,7 +72,7 @@ def _rank_main(rank: int, world: int, init_file: str, args: dict, commands, answ
         torch.set_num_threads(1)
         runner = build_runner(args["model_dir"], TPGroup.from_default_group(), args["num_slots"],
                               args["max_model_len"], args["dtype"], device, args["load_format"],
-                              args["max_steps_per_command"])
+                              args["max_steps_per_command"], args["batch_invariant"])
         answers.put(("ready", rank))
         while True:
             cmd = commands.get()
@@ -88,6 +91,7 @@ def _rank_main(rank: int, world: int, init_file: str, args: dict, commands, answ
 class ProcessShards:
     def __init__(self, model_dir: str, tp: int, *, num_slots: int, max_model_len: int, dtype=None,
                  device: str = "cpu", load_format: str = "safetensors", max_steps_per_command: int = 64,
+                 batch_invariant: bool = False,
                  timeout_s: float = 120.0):
         ctx = mp.get_context("spawn")
         self.timeout_s = timeout_s
@@ -96,7 +100,8 @@ class ProcessShards:
         self.commands = [ctx.Queue() for _ in range(tp)]
         self.answers = ctx.Queue()
         args = dict(model_dir=str(model_dir), num_slots=num_slots, max_model_len=max_model_len, dtype=dtype,
-                    device=device, load_format=load_format, max_steps_per_command=max_steps_per_command)
+                    device=device, load_format=load_format, max_steps_per_command=max_steps_per_command,
+                    batch_invariant=batch_invariant)
         self.procs = [ctx.Process(target=_rank_main, args=(r, tp, init_file, args, self.commands[r], self.answers),
                                   daemon=True) for r in range(tp)]
         for p in self.procs:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from model import batch_invariant
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -35,9 +37,17 @@ class TPGroup:
         return self.world_size > 1
 
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-        """In place; returns x for chaining."""
-        if self.is_parallel:
-            dist.all_reduce(x, op=op, group=self.group)
+        """In place; returns x for chaining. A sum in batch-invariant mode adds the ranks' parts in rank
+        order (NCCL's order depends on the message size, so on the batch)."""
+        if not self.is_parallel:
+            return x
+        if op == dist.ReduceOp.SUM and batch_invariant.enabled():
+            parts = self.all_gather(x)
+            total = parts[0]
+            for part in parts[1:]:
+                total = total + part
+            return x.copy_(total)
+        dist.all_reduce(x, op=op, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:

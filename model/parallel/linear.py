@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.batch_invariant import linear
 from model.parallel.group import TPGroup, shard_range
 
 
@@ -58,7 +59,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(param.data.narrow(0, offset, size), rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -93,7 +94,7 @@ class RowParallelLinear(nn.Module):
         copy_into(param, read_slice(source, 1, self.tp.rank * n, (self.tp.rank + 1) * n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(linear(x, self.weight))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -125,4 +126,4 @@ class ParallelLMHead(VocabParallelEmbedding):
     sharded; model.parallel.reductions computes global statistics from them."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        return linear(hidden, self.weight)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from model.batch_invariant import row_sum
 from model.parallel.group import TPGroup
 
 _NO_ID = torch.iinfo(torch.int64).max
@@ -26,7 +27,7 @@ def _shifted_exp(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 def logsumexp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     m = global_max(x, tp)
-    z = tp.all_reduce(_shifted_exp(x, m).sum(dim=-1))
+    z = tp.all_reduce(row_sum(_shifted_exp(x, m)))
     return m + torch.log(z)
 
 
@@ -36,7 +37,7 @@ def entropy(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     m = global_max(x, tp)
     shifted = x - torch.where(torch.isfinite(m), m, 0).unsqueeze(-1)
     e = torch.exp(shifted)
-    za = torch.stack([e.sum(dim=-1), torch.where(e > 0, e * shifted, 0).sum(dim=-1)])
+    za = torch.stack([row_sum(e), row_sum(torch.where(e > 0, e * shifted, 0))])
     z, a = tp.all_reduce(za)
     return torch.log(z) - a / z
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from model.batch_invariant import row_sum
 from model.parallel import reductions as R
 from model.parallel.group import TPGroup
 
@@ -55,8 +56,7 @@ def top_p_threshold(scaled: torch.Tensor, p: torch.Tensor, tp: TPGroup) -> torch
 
 
 def _mass_at_least(probs: torch.Tensor, scaled: torch.Tensor, t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    return tp.all_reduce(torch.where(scaled >= t.unsqueeze(-1).to(scaled.dtype), probs, 0)
-                         .sum(-1, dtype=torch.float64))
+    return tp.all_reduce(row_sum(torch.where(scaled >= t.unsqueeze(-1).to(scaled.dtype), probs, 0), torch.float64))
 
 
 def keep_threshold(base: torch.Tensor, vocab_start: int, tp: TPGroup, top_k: torch.Tensor | None = None,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model.batch_invariant import linear, row_mean
 from model.parallel.group import TPGroup
 from model.sampling.noise import STREAM_RENOISE, uniform
 from model.sampling.stats import TORCH_PASSES, VocabPasses, VocabStats, vocab_stats
@@ -55,7 +56,7 @@ def convergence(argmax: torch.Tensor, prev_argmax: torch.Tensor, run: torch.Tens
     `stability_threshold` argmax canvases all equal to this one is exactly run' >= stability_threshold."""
     run = torch.where((argmax == prev_argmax).all(dim=-1), run + 1, 0)
     stable = run >= stability_threshold
-    confident = entropy.mean(dim=-1) < confidence_threshold
+    confident = row_mean(entropy) < confidence_threshold
     return run, (stable & confident) | (n + 1 >= steps)
 
 
@@ -63,7 +64,7 @@ def self_condition_embedding(probs: torch.Tensor, embed: torch.Tensor, tp: TPGro
     """sum_r P_r W_r = P W: probs [..., V_r] this rank's slice of the globally normalised softmax,
     embed [V_r, H] this rank's rows of the embedding -> [..., H], identical on every rank. One all-reduce
     (summed in fp32); at TP = 1 neither a collective nor a copy of the table."""
-    partial = torch.matmul(probs, embed)
+    partial = linear(probs, embed.t())
     if not tp.is_parallel:
         return partial
     return tp.all_reduce(partial.to(torch.promote_types(partial.dtype, torch.float32))).to(partial.dtype)

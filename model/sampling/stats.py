@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from model.batch_invariant import row_sum
 from model.parallel.group import TPGroup
 from model.sampling.noise import gumbel
 
@@ -189,13 +190,13 @@ def combine(keys: torch.Tensor, sums: torch.Tensor, x: torch.Tensor, temperature
     # a piece's maximum of s is its maximum of u divided by T (division is monotone): what the pass used
     ms_g, ms_p = m_g / temp, m_p / temp
     scale_u, scale_s = torch.exp(m_p - m_g), torch.exp(ms_p - ms_g)
-    z_u = (sums[0] * scale_u).sum(-1)
-    a_u = ((sums[1] + sums[0] * (m_p - m_g)) * scale_u).sum(-1)
-    z_s = (sums[2] * scale_s).sum(-1)
-    a_s = ((sums[3] + sums[2] * (ms_p - ms_g)) * scale_s).sum(-1)
+    z_u = row_sum(sums[0] * scale_u)
+    a_u = row_sum((sums[1] + sums[0] * (m_p - m_g)) * scale_u)
+    z_s = row_sum(sums[2] * scale_s)
+    a_s = row_sum((sums[3] + sums[2] * (ms_p - ms_g)) * scale_s)
     if soft_dtype is not None:
         r_g, r_p = ms_g.to(soft_dtype).float(), ms_p.to(soft_dtype).float()
-        z_soft = (sums[4] * torch.exp(r_p - r_g)).sum(-1)
+        z_soft = row_sum(sums[4] * torch.exp(r_p - r_g))
     else:
         r_g, z_soft = ms_g, z_s
     x_sample = _value_at(x, sample, vocab_start)

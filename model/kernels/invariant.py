@@ -1,0 +1,178 @@
+"""Batch-invariant kernels in triton: a row's result is the same bits whatever else is in the batch.
+
+cuBLAS, grouped_mm and torch's reductions pick their tiling, split-K and reduction trees from the
+whole problem's shape, so the same row rounds differently at batch 1 and at batch 16. Every kernel
+here fixes its reduction order from what a row alone determines:
+
+  matmul          y = x W^T. One program per (64-row, 128-column, K-split) tile, K walked in 64-wide
+                  chunks in order; the number of K-splits depends on W's shape (and the GPU's SM count)
+                  only, never on the rows, and the splits' fp32 partials are summed in split order.
+  grouped_matmul  the experts' y_i = x_i W_{e(i)}^T over rows sorted by expert: the same tiles within
+                  each expert's rows (no split-K), so a row's sum never depends on how many rows its
+                  expert got.
+  row_sum         sum (or sum of squares) over the last dim, one program per row in fixed-width chunks.
+
+model.batch_invariant decides when they run; this module only computes.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64
+GROUP_BLOCK_M = 16       # an expert gets about 16 rows at batch 1 (256 positions x top-8 over 128 experts)
+MAX_SPLITS = 8
+ROWS_PER_LAUNCH = 512    # bounds the split-K workspace (splits x 512 x N fp32)
+ROW_BLOCK = 1024
+# triton's CPU interpreter (the CPU tests) multiplies 16-bit floats as raw bits: it gets them in fp32
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter (CPU tests): an H200's, so the tests run the GPU's split counts
+
+
+def k_splits(n: int, k: int, device: torch.device) -> int:
+    """Splits of K for a weight [n, k]: enough programs to fill the GPU at a single row tile (two per
+    SM), a power of two, each split at least 4 chunks deep. A function of the weight alone."""
+    tiles_n = triton.cdiv(n, BLOCK_N)
+    want = max(1, min(MAX_SPLITS, 2 * _sm_count(device) // tiles_n, k // (4 * BLOCK_K)))
+    return 1 << (want.bit_length() - 1)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # "tf32" only names the default for 16-bit inputs
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, sos, som, son, K_PER_SPLIT: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+                   INTERPRETED: tl.constexpr):
+    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K_PER_SPLIT, BK):  # a multiple of BK: chunks never straddle splits
+        kk = pid_s * K_PER_SPLIT + k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K),
+                    other=0.0)
+        b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=(rn[None, :] < N) & (kk[:, None] < K),
+                    other=0.0)
+        if INTERPRETED:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    out = out_ptr + pid_s * sos + rm[:, None] * som + rn[None, :] * son
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, numel, S: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, S):  # split order, whatever the number of rows
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T -> [..., N] in x's dtype (w any strides: w may be a transposed view)."""
+    n, k = w.shape
+    rows = x.reshape(-1, k)
+    out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
+    splits = k_splits(n, k, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
+    for lo in range(0, rows.shape[0], ROWS_PER_LAUNCH):   # host-side shapes only: no sync
+        a, y = rows[lo: lo + ROWS_PER_LAUNCH], out[lo: lo + ROWS_PER_LAUNCH]
+        m = a.shape[0]
+        target = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), splits)
+        _matmul_kernel[grid](a, w, target, m, n, k, a.stride(0), a.stride(1), w.stride(0), w.stride(1),
+                             target.stride(0) if splits > 1 else 0, n, 1, K_PER_SPLIT=k_per_split,
+                             BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, PRECISION=_precision(x.dtype), INTERPRETED=_INTERPRETED,
+                             num_warps=4, num_stages=4)
+        if splits > 1:
+            _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](target, y, m * n, S=splits, BLOCK=1024)
+    return out.view(*x.shape[:-1], n)
+
+
+@triton.jit
+def _grouped_kernel(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, ends_ptr, N, E,
+                    sxm, swe, swn, swk, som, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    t, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(tile_expert_ptr + t)
+    if e < E:  # tiles past the last expert's are spare (the grid is sized for the worst case)
+        row_end = tl.load(ends_ptr + e)
+        rm = tl.load(tile_row_ptr + t) + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < row_end) & (kk[None, :] < K),
+                        other=0.0)
+            b = tl.load(w_ptr + e * swe + rn[None, :] * swn + kk[:, None] * swk,
+                        mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+            if INTERPRETED:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        tl.store(out_ptr + rm[:, None] * som + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < row_end) & (rn[None, :] < N))
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows of x [P, K] sorted by group, group g = rows [ends[g-1], ends[g]) -> x_g @ w[g]^T ([E, N, K]).
+    The tile map (which expert, which first row) is made on the device: no sync, a grid of fixed size."""
+    x = x.contiguous()
+    p, k = x.shape
+    e, n, _ = w.shape
+    ends = ends.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    tiles = (counts + GROUP_BLOCK_M - 1) // GROUP_BLOCK_M
+    tile_end = torch.cumsum(tiles, 0)
+    max_tiles = triton.cdiv(p, GROUP_BLOCK_M) + e   # sum ceil(c / BM) <= P / BM + E
+    t = torch.arange(max_tiles, device=x.device)
+    expert = torch.searchsorted(tile_end, t, right=True)             # E for spare tiles
+    owner = expert.clamp(max=e - 1)
+    row = (ends - counts)[owner] + (t - (tile_end - tiles)[owner]) * GROUP_BLOCK_M
+    out = torch.empty(p, n, dtype=x.dtype, device=x.device)
+    _grouped_kernel[(max_tiles, triton.cdiv(n, BLOCK_N))](
+        x, w, out, expert, row, ends, n, e, x.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), K=k,
+        BM=GROUP_BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, PRECISION=_precision(x.dtype), INTERPRETED=_INTERPRETED,
+        num_warps=4, num_stages=3)
+    return out
+
+
+@triton.jit
+def _row_sum_kernel(x_ptr, out_ptr, sx, D: tl.constexpr, SQUARE: tl.constexpr, FP64: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.float64 if FP64 else tl.float32)
+    for off in range(0, D, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + row * sx + cols, mask=cols < D, other=0.0).to(acc.dtype)
+        acc += v * v if SQUARE else v
+    tl.store(out_ptr + row, tl.sum(acc, axis=0))
+
+
+def row_sum(x: torch.Tensor, square: bool = False, fp64: bool = False) -> torch.Tensor:
+    """sum over the last dim (of squares with `square`) -> x.shape[:-1], accumulated and returned in fp32
+    (fp64 with `fp64` or for an fp64 x)."""
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    fp64 = fp64 or x.dtype == torch.float64
+    out = torch.empty(rows.shape[0], dtype=torch.float64 if fp64 else torch.float32, device=x.device)
+    if rows.shape[0]:
+        _row_sum_kernel[(rows.shape[0],)](rows, out, rows.stride(0), D=d, SQUARE=square, FP64=fp64,
+                                          BLOCK=max(16, min(ROW_BLOCK, triton.next_power_of_2(d))))
+    return out.view(x.shape[:-1])
