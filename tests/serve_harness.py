@@ -24,12 +24,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_serve() -> int:
-    port = free_port()
+def start_serve(attempts: int = 5) -> int:
+    """A local Ray and a Serve proxy on a free port. The port is free when picked but may be taken before
+    the proxy binds it (Ray's own workers open ephemeral ports meanwhile): then another port is tried.
+    On failure nothing is left running (the next test's ray.init must not find this one's)."""
     ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"DLLM_SHARD_THREADS": "1"}})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    return port
+    for attempt in range(attempts):
+        port = free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except Exception as err:  # noqa: BLE001 - RayTaskError wrapping the proxy's RuntimeError
+            serve.shutdown()
+            if "Failed to bind" not in str(err) or attempt == attempts - 1:
+                ray.shutdown()
+                raise
+    raise AssertionError("unreachable")
 
 
 def stop_serve() -> None:
