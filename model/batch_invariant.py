@@ -8,13 +8,16 @@ around each command, graph captures included) the ops below route every such red
 model.kernels.invariant's fixed-order kernels:
 
     linear, grouped_linear    fixed tiles and K-splits chosen by the weight's shape
-    row_sum, mean_square      one program per row (norms, the router's weights, the sampler's sums)
+    row_sum, mean_square,     one program per row (norms, the router's softmax and weights, the
+    row_cumsum, softmax       sampler's sums and its entropy-bound scans)
     attention                 the memory-efficient SDPA kernel (per query block, keys in order; a
                               longer padded key range adds exact zeros)
     all_reduce (TP > 1)       every rank's part gathered and summed in rank order
 
-Everything else in a forward is elementwise or exact (gathers, maxima, integer counts). The mode off,
-these are the plain torch ops. It costs speed (report: the README's speed table), so it is opt-in.
+Everything else in a forward is elementwise or exact (gathers, maxima, integer counts). The sampler's
+vocabulary passes are invariant in both modes (model/kernels/vocab_stats.py splits by vocabulary
+width only). The mode off, these are the plain torch ops. It costs speed (the README's speed table),
+so it is opt-in, for bf16/fp16/fp32 models.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ def enabled() -> bool:
 @contextlib.contextmanager
 def batch_invariant(on: bool = True):
     """The mode on (or off) inside the block. Its kernels run on CUDA tensors (a Runner on another device
-    refuses the mode); the ordered TP sum runs on any."""
+    refuses the mode); the ordered TP sum runs on any. Process-wide: one Runner per process uses it."""
     global _enabled
     previous, _enabled = _enabled, on
     try:
@@ -48,6 +51,17 @@ def _kernels():
     return invariant
 
 
+# an opaque op to torch.compile: a fused chain keeps its elementwise kernels and calls this for its sums
+@torch.library.custom_op("dllm::row_sum", mutates_args=())
+def _row_sum_op(x: torch.Tensor, square: bool, fp64: bool) -> torch.Tensor:
+    return _kernels().row_sum(x, square=square, fp64=fp64)
+
+
+@_row_sum_op.register_fake
+def _(x: torch.Tensor, square: bool, fp64: bool) -> torch.Tensor:
+    return x.new_empty(x.shape[:-1], dtype=torch.float64 if fp64 or x.dtype == torch.float64 else torch.float32)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x W^T (weight [out, in])."""
     if _enabled and x.is_cuda:
@@ -55,26 +69,43 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """The fixed-order grouped matmul: model.diffusion_gemma's experts in the mode, and outside it where
+    each expert has few rows (there it reads the weights faster than grouped_mm)."""
+    return _kernels().grouped_matmul(x, w, ends)
+
+
 def row_sum(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Sum over the last dim, in `dtype` (default: x's, at least fp32 in the mode)."""
+    """Sum over the last dim, returned in `dtype` (default x's; in the mode accumulated in fp32, or fp64
+    when dtype is)."""
     if _enabled and x.is_cuda:
-        return _kernels().row_sum(x, fp64=dtype == torch.float64).to(dtype or x.dtype)
+        return _row_sum_op(x, False, dtype == torch.float64).to(dtype or x.dtype)
     return x.sum(-1, dtype=dtype)
 
 
 def row_mean(x: torch.Tensor) -> torch.Tensor:
     if _enabled and x.is_cuda:
-        return (_kernels().row_sum(x) / x.shape[-1]).to(x.dtype)
+        return (_row_sum_op(x, False, False) / x.shape[-1]).to(x.dtype)
     return x.mean(-1)
-
-
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """The mode's grouped matmul (model.diffusion_gemma picks it while the mode is on)."""
-    return _kernels().grouped_matmul(x, w, ends)
 
 
 def mean_square(h: torch.Tensor) -> torch.Tensor:
     """mean(h^2) over the last dim, keepdim (an RMS norm's), in h's dtype."""
     if _enabled and h.is_cuda:
-        return (_kernels().row_sum(h, square=True) / h.shape[-1]).to(h.dtype).unsqueeze(-1)
+        return (_row_sum_op(h, True, False) / h.shape[-1]).to(h.dtype).unsqueeze(-1)
     return h.pow(2).mean(-1, keepdim=True)
+
+
+def row_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Inclusive cumulative sum over the last dim, in x's dtype."""
+    if _enabled and x.is_cuda:
+        return _kernels().row_cumsum(x).to(x.dtype)
+    return torch.cumsum(x, dim=-1)
+
+
+def softmax(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """softmax over the last dim in `dtype`."""
+    if _enabled and x.is_cuda:
+        e = torch.exp(x.to(dtype) - x.amax(-1, keepdim=True).to(dtype))
+        return e / row_sum(e).unsqueeze(-1)
+    return torch.softmax(x, dim=-1, dtype=dtype)

@@ -6,6 +6,8 @@ norms, rotary embedding and gated activation are tens of kernels of a few micros
 long as the reads themselves. On CUDA each function below is compiled by torch.compile (inductor) into
 one kernel; elsewhere it runs as written, and what is written is the reference (transformers' order
 of operations and roundings). Shapes are dynamic: one compilation per function serves every batch.
+In batch-invariant mode (model.batch_invariant) a norm's sum of squares is an opaque row kernel
+inside the compiled chain (inductor would pick its reduction layout by shape); the rest stays fused.
 """
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from model import batch_invariant
 from model.batch_invariant import mean_square
 
 log = logging.getLogger("dllm.fused")
@@ -29,9 +30,7 @@ def fused(fn):
     @functools.wraps(fn)
     def call(*args):
         nonlocal compiled
-        # batch-invariant mode: as written, its norms' sums by model.kernels.invariant's row kernel
-        # (inductor picks reduction layouts by shape)
-        if not args[0].is_cuda or compiled is False or batch_invariant.enabled():
+        if not args[0].is_cuda or compiled is False:
             return fn(*args)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True, fullgraph=True)

@@ -9,7 +9,8 @@ the step kinds (model/steps) update it with device ops only, so the host reads n
 command ends: then model/outputs.py copies every slot's emitted tokens and scores, the counters and
 the slots' lengths and phases in one synchronisation. A slot that finishes mid-command (max_tokens,
 an EOS) turns `done` on the device and idles until the command ends. On CUDA each step replays a graph
-(model/graphs.py).
+(model/graphs.py). A runner made with `batch_invariant=True` runs each command, captures included, in
+model.batch_invariant's mode: a slot's results are then the same bits whatever shares its batch.
 """
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ class Runner:
         self.model, self.tp, self.device = model, model.tp, torch.device(device)
         self.C, self.mask_id = cfg.canvas_length, cfg.mask_token_id   # no mask token: uniform-noise family
         self.family = cfg.family
-        if batch_invariant and self.device.type != "cuda":
-            raise ValueError("batch_invariant needs device cuda (its fixed-order kernels are triton's)")
+        if batch_invariant and (self.device.type != "cuda" or next(model.parameters()).dtype == torch.float64):
+            raise ValueError("batch_invariant needs device cuda and a bf16/fp16/fp32 model (its fixed-order "
+                             "kernels are triton's)")
         self.batch_invariant = batch_invariant
         self.max_model_len = max_model_len
         dtype = next(model.parameters()).dtype

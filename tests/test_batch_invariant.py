@@ -2,17 +2,13 @@
 interpreter, equal a float64 reference and give a row the same bits wherever it sits in a batch; its
 tensor-parallel sum adds the ranks' parts in rank order (gloo); it is refused where its kernels cannot
 run. The end-to-end check (a request alone and in a batch, bf16, both families) is tests/test_gpu.py's."""
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.interpreter import run_interpreted
 from tests.tp_harness import spawn_tp
-
-ROOT = Path(__file__).resolve().parents[1]
 
 KERNEL_CHECK = r"""
 import torch
@@ -53,10 +49,7 @@ print("invariant kernels ok")
 
 
 def test_invariant_kernels_in_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "invariant kernels ok" in out.stdout, out.stderr[-3000:]
+    run_interpreted(KERNEL_CHECK, "invariant kernels ok")
 
 
 def ordered_sum_worker(rank: int, world_size: int, out_dir: str) -> None:
@@ -90,3 +83,45 @@ def test_refused_without_cuda(tiny_nemotron):
         AppArgs(device="cpu", batch_invariant=True)
     with pytest.raises(ValueError, match="batch_invariant needs device cuda"):
         build_runner(str(tiny_nemotron), TPGroup(), 2, 128, None, "cpu", batch_invariant=True)
+
+
+CUMSUM_CHECK = r"""
+import torch
+from model.kernels import invariant as K
+
+torch.manual_seed(0)
+for d in (32, 256, 3000):                       # one block; several, the carry crossing them
+    x = torch.rand(7, d)
+    c = K.row_cumsum(x)
+    assert torch.allclose(c.double(), x.double().cumsum(-1), rtol=1e-5), d
+    assert torch.equal(K.row_cumsum(x[3:4]), c[3:4])
+print("cumsum ok")
+"""
+
+
+def test_row_cumsum_in_the_interpreter():
+    run_interpreted(CUMSUM_CHECK, "cumsum ok")
+
+
+COMPILE_CHECK = r"""
+import torch
+from model.batch_invariant import _row_sum_op
+
+def norm(x, w, eps: float):
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt((_row_sum_op(h, True, False) / h.shape[-1]).unsqueeze(-1) + eps)
+    return w * h.to(x.dtype)
+
+compiled = torch.compile(norm, dynamic=True, fullgraph=True)   # as model.fused compiles its chains
+x, w = torch.randn(9, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+full = compiled(x, w, 1e-5)
+assert (full.float() - norm(x, w, 1e-5).float()).abs().max() <= 0.02 * full.float().abs().max()
+assert torch.equal(compiled(x[2:5], w, 1e-5)[1], full[3]) and torch.equal(compiled(x[3:4], w, 1e-5)[0], full[3])
+print("compiled ok")
+"""
+
+
+def test_the_row_kernel_compiles_inside_a_fused_chain():
+    """torch.compile (fullgraph, dynamic shapes) takes the mode's row sum as an opaque op inside a norm's
+    chain, and the compiled chain gives a row the same bits at 9, 3 and 1 rows."""
+    run_interpreted(COMPILE_CHECK, "compiled ok", timeout=600)

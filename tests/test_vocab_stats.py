@@ -1,20 +1,15 @@
 """The sampler statistics (model/sampling/stats.py, SPEC.md 3-4, 7): one pass's partials, combined over
 pieces of the vocabulary, equal dense references; the triton pass (model/kernels/vocab_stats.py),
 run by triton's CPU interpreter, equals the torch pass token for token."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from model.parallel.group import TPGroup
 from model.sampling import noise
 from model.sampling import stats as S
+from tests.interpreter import run_interpreted
 
 TP1 = TPGroup()
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def case(R=3, P=4, V=300, seed=0, dtype=torch.float32):
@@ -123,7 +118,4 @@ print("triton == torch")
 
 
 def test_triton_pass_equals_torch_pass_in_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "triton == torch" in out.stdout, out.stderr[-3000:]
+    run_interpreted(TRITON_CHECK, "triton == torch")

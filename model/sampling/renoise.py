@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.batch_invariant import linear, row_mean
+from model.batch_invariant import linear, row_cumsum, row_mean
 from model.parallel.group import TPGroup
 from model.sampling.noise import STREAM_RENOISE, uniform
 from model.sampling.stats import TORCH_PASSES, VocabPasses, VocabStats, vocab_stats
@@ -44,7 +44,7 @@ def entropy_bound_accept(entropy: torch.Tensor, bound: torch.Tensor) -> torch.Te
     """[R, C] bool: positions sorted by entropy ascending, the longest prefix with
     cumsum(H) - max(H) <= bound (max = the last one, sorted); the first always qualifies (0 <= bound)."""
     sorted_h, order = torch.sort(entropy, dim=-1, stable=True)
-    keep = torch.cumsum(sorted_h, dim=-1) - sorted_h <= bound.view(-1, 1)
+    keep = row_cumsum(sorted_h) - sorted_h <= bound.view(-1, 1)
     return torch.zeros_like(keep).scatter(-1, order, keep)
 
 

@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from model.batch_invariant import row_cumsum
+
 Policy = Callable[..., torch.Tensor]
 
 
@@ -51,7 +53,7 @@ def entropy_bound(masked, entropy, gamma, **_) -> torch.Tensor:
     order = torch.sort(h, dim=-1, stable=True).indices
     h_sorted = torch.gather(h, -1, order)
     finite = torch.where(torch.isfinite(h_sorted), h_sorted, 0)
-    within = (torch.cumsum(finite, -1) - finite) <= gamma[:, None]   # ascending: the prefix max is its last
+    within = (row_cumsum(finite) - finite) <= gamma[:, None]   # ascending: the prefix max is its last
     count = (within & torch.isfinite(h_sorted)).sum(-1).clamp(min=1)
     rank = torch.argsort(order, dim=-1)
     return masked & (rank < count[:, None])

@@ -131,9 +131,9 @@ def torch_partials(x: torch.Tensor, temperature: torch.Tensor, seed: torch.Tenso
     m_s = m_safe / effective_temperature(temp)
     du, ds = u - m_safe, s - m_s
     eu, es = torch.exp(du), torch.exp(ds)
-    sums = [eu.sum(-1), torch.where(eu > 0, eu * du, 0).sum(-1), es.sum(-1), torch.where(es > 0, es * ds, 0).sum(-1)]
+    sums = [row_sum(eu), row_sum(torch.where(eu > 0, eu * du, 0)), row_sum(es), row_sum(torch.where(es > 0, es * ds, 0))]
     if soft_dtype is not None:
-        sums.append(torch.exp(s.to(soft_dtype).float() - m_s.to(soft_dtype).float()).sum(-1))
+        sums.append(row_sum(torch.exp(s.to(soft_dtype).float() - m_s.to(soft_dtype).float())))
     else:
         sums.append(sums[2])
     return torch.stack([greedy_key, sample_key])[..., None], torch.stack(sums)[..., None]
