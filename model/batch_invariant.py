@@ -7,12 +7,13 @@ all-reduce by message size. With the mode on (a Runner made with `batch_invarian
 around each command, graph captures included) the ops below route every such reduction to
 model.kernels.invariant's fixed-order kernels:
 
-    linear, grouped_linear    fixed tiles and K-splits chosen by the weight's shape
+    linear, grouped_matmul    fixed tiles and K-splits chosen by the weight's shape
     row_sum, mean_square,     one program per row (norms, the router's softmax and weights, the
     row_cumsum, softmax       sampler's sums and its entropy-bound scans)
     attention                 the memory-efficient SDPA kernel (per query block, keys in order; a
                               longer padded key range adds exact zeros)
-    all_reduce (TP > 1)       every rank's part gathered and summed in rank order
+    all_reduce (TP > 1),      parts added left to right (sum_in_order): every rank's gathered part,
+    the experts' outputs      a token's k expert outputs
 
 Everything else in a forward is elementwise or exact (gathers, maxima, integer counts). The sampler's
 vocabulary passes are invariant in both modes (model/kernels/vocab_stats.py splits by vocabulary
@@ -60,6 +61,12 @@ def _row_sum_op(x: torch.Tensor, square: bool, fp64: bool) -> torch.Tensor:
 @_row_sum_op.register_fake
 def _(x: torch.Tensor, square: bool, fp64: bool) -> torch.Tensor:
     return x.new_empty(x.shape[:-1], dtype=torch.float64 if fp64 or x.dtype == torch.float64 else torch.float32)
+
+
+def sum_in_order(parts: torch.Tensor) -> torch.Tensor:
+    """((parts[0] + parts[1]) + parts[2]) + ... over the leading dim: elementwise adds, so the order is
+    the same for every element whatever the shape (a reduction kernel would pick its own)."""
+    return sum(parts[1:].unbind(0), parts[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -220,10 +220,7 @@ class GemmaExperts(nn.Module):
         y = y * weights.flatten()[order, None]
         if batch_invariant.enabled():  # each token's k outputs summed in slot order (index_add_'s atomics race)
             pairs = torch.empty_like(y).index_copy_(0, order, y).view(-1, k, y.shape[-1])
-            total = pairs[:, 0]
-            for j in range(1, k):
-                total = total + pairs[:, j]
-            return total.to(x.dtype)
+            return batch_invariant.sum_in_order(pairs.transpose(0, 1)).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
 

@@ -43,12 +43,12 @@ class Runner:
         self.model, self.tp, self.device = model, model.tp, torch.device(device)
         self.C, self.mask_id = cfg.canvas_length, cfg.mask_token_id   # no mask token: uniform-noise family
         self.family = cfg.family
-        if batch_invariant and (self.device.type != "cuda" or next(model.parameters()).dtype == torch.float64):
+        self.max_model_len = max_model_len
+        dtype = next(model.parameters()).dtype
+        if batch_invariant and (self.device.type != "cuda" or dtype == torch.float64):
             raise ValueError("batch_invariant needs device cuda and a bf16/fp16/fp32 model (its fixed-order "
                              "kernels are triton's)")
         self.batch_invariant = batch_invariant
-        self.max_model_len = max_model_len
-        dtype = next(model.parameters()).dtype
         # + C: a canvas (or a verify) may write scratch KV past the budget's last token
         if hasattr(model, "kv_layer_shapes"):
             # sliding layers keep a ring of the window plus one canvas (what a canvas's queries read)

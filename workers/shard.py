@@ -50,7 +50,7 @@ class ShardWorker:
         a = self.args
         self.runner = build_runner(a["model_dir"], tp, a["num_slots"], a["max_model_len"], a["dtype"],
                                    self.device, a["load_format"], a["max_steps_per_command"],
-                                   a.get("batch_invariant", False))
+                                   a["batch_invariant"])
         return True
 
     def execute(self, cmd: Command) -> Events | None:

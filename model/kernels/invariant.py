@@ -168,6 +168,13 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, tiles: 
     return out
 
 
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x as [rows, d] with unit stride along d (what the row kernels index), and d."""
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)
+    return (rows if rows.stride(-1) == 1 else rows.contiguous()), d
+
+
 @triton.jit
 def _row_sum_kernel(x_ptr, out_ptr, sx, D: tl.constexpr, SQUARE: tl.constexpr, FP64: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -182,10 +189,7 @@ def _row_sum_kernel(x_ptr, out_ptr, sx, D: tl.constexpr, SQUARE: tl.constexpr, F
 def row_sum(x: torch.Tensor, square: bool = False, fp64: bool = False) -> torch.Tensor:
     """sum over the last dim (of squares with `square`) -> x.shape[:-1], accumulated and returned in fp32
     (fp64 with `fp64` or for an fp64 x)."""
-    d = x.shape[-1]
-    rows = x.reshape(-1, d)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows, d = _rows(x)
     fp64 = fp64 or x.dtype == torch.float64
     out = torch.empty(rows.shape[0], dtype=torch.float64 if fp64 else torch.float32, device=x.device)
     if rows.shape[0]:
@@ -209,10 +213,7 @@ def _row_cumsum_kernel(x_ptr, out_ptr, sx, so, D: tl.constexpr, BLOCK: tl.conste
 def row_cumsum(x: torch.Tensor) -> torch.Tensor:
     """Inclusive cumulative sum over the last dim in fp32, one program per row (torch's scan picks its
     chunking by the number of rows)."""
-    d = x.shape[-1]
-    rows = x.reshape(-1, d)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows, d = _rows(x)
     out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
     if rows.shape[0]:
         _row_cumsum_kernel[(rows.shape[0],)](rows, out, rows.stride(0), out.stride(0), D=d,

@@ -42,11 +42,7 @@ class TPGroup:
         if not self.is_parallel:
             return x
         if op == dist.ReduceOp.SUM and batch_invariant.enabled():
-            parts = self.all_gather(x)
-            total = parts[0]
-            for part in parts[1:]:
-                total = total + part
-            return x.copy_(total)
+            return x.copy_(batch_invariant.sum_in_order(self.all_gather(x)))
         dist.all_reduce(x, op=op, group=self.group)
         return x
 
