@@ -1,0 +1,221 @@
+"""Attention over a slot's KV cache read in place, its mask computed from the rows' metadata.
+
+model.attention.cached_attention gathers each row's keys (`cache_k[slots, :kv_len]`) and hands SDPA a
+materialised boolean mask; this kernel reads the cache where it lies and decides from (slot, start,
+length, causal) which keys each query sees. For a row of width L starting at position `start` with
+`length` real tokens (end = start + length), query i (position q = start + i; a padding query when
+i >= length) attends to key position p iff
+
+  lo <= p < end                              keys that exist: lo = 0, or for a ring of R positions
+                                             max(0, start + L - R) (the ring holds the last R)
+  and (p < start or not causal or p <= q)    the prefix; a causal row's own keys up to itself
+  and (no window or i >= length              sliding layers: padding queries keep the full row,
+       or p > anchor - W)                    anchor = q (causal rows) or start (bidirectional rows)
+
+which is model.graphs.device_context's `mask` / `window_mask` and model.attention.ring_view's ring
+mask. Key p lives at cache[slot, p] (cache[slot, p mod R] for a ring); a prefill passes the step's own
+keys as a cache of B slots (slot b = row b).
+
+One program per (block of (query, head-of-group) pairs, kv head, key split): a kv head's G query heads
+share its key tiles (GQA by indexing, no repeat). Each program walks only the key blocks its queries
+can see: [first position any of them sees, last + 1), cut into `splits` equal pieces when there are
+few programs (flash-decoding); the splits' partial softmax states are combined in split order.
+Scores and sums accumulate in fp32.
+
+Not run on a GPU yet: the tile shapes below are guesses, not measurements.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# triton's CPU interpreter (the CPU tests) multiplies 16-bit floats as raw bits: it gets them in fp32
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 16
+MIN_SPLIT_KEYS = 256
+
+
+def _tiles(d: int) -> tuple[int, int, int]:
+    """(query rows, keys, warps) per program: the fp32 accumulator [rows, D] bounds the rows."""
+    if d <= 128:
+        return 64, 64, 4
+    if d <= 256:
+        return 32, 64, 8
+    return 16, 32, 8
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter: an H200's
+
+
+def default_splits(programs: int, keys: int, device: torch.device) -> int:
+    """Key splits: enough programs for two per SM, each split at least MIN_SPLIT_KEYS keys."""
+    return max(1, min(MAX_SPLITS, triton.cdiv(2 * _sm_count(device), programs), triton.cdiv(keys, MIN_SPLIT_KEYS)))
+
+
+@triton.jit
+def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, slot_ptr, start_ptr, length_ptr, causal_ptr,
+                 sqb, sql, sqh, skc, skp, skh, svc, svp, svh, sob, sol, soh,
+                 L, W, R, qk_scale, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, ITERS: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, RING: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    pid_m, pid_bh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = (pid_bh // HKV).to(tl.int64), (pid_bh % HKV).to(tl.int64)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    start = tl.load(start_ptr + b).to(tl.int64)
+    length = tl.load(length_ptr + b).to(tl.int64)
+    causal = tl.load(causal_ptr + b) != 0
+    bidirectional = tl.load(causal_ptr + b) == 0
+    end = start + length
+
+    LG = L * G
+    r = pid_m * BM + tl.arange(0, BM)          # (query, head of the group) pairs
+    row_ok = r < LG
+    i = (r // G).to(tl.int64)
+    head = h * G + (r % G)
+    qpos = start + i
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(q_ptr + b * sqb + i[:, None] * sql + head[:, None] * sqh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if INTERPRETED:
+        q = q.to(tl.float32)
+
+    # the block's key range: every key outside it is masked for all of its queries
+    i_min = (pid_m * BM) // G
+    i_max = tl.minimum(pid_m * BM + BM - 1, LG - 1) // G
+    first = 0
+    if RING:
+        first = tl.maximum(start + L - R, 0)
+    hi = tl.where(causal, tl.minimum(end, start + i_max + 1), end)
+    lo = first + start * 0
+    if HAS_WINDOW:
+        anchor_min = tl.where(causal, start + i_min, start)
+        lo = tl.where(i_max < length, tl.maximum(lo, anchor_min - W + 1), lo)
+    span = tl.maximum(hi - lo, 0)
+    chunk = tl.cdiv(tl.cdiv(span, SPLITS), BN) * BN
+    s_lo = lo + split * chunk
+    s_hi = tl.minimum(s_lo + chunk, hi)
+
+    m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BM,), dtype=tl.float32)
+    acc = tl.zeros((BM, BLOCK_D), dtype=tl.float32)
+    if HAS_WINDOW:
+        anchor = tl.where(causal, qpos, start)
+    for it in range(ITERS):   # a constexpr bound (the interpreter takes no loaded one); blocks past s_hi skip
+        n0 = s_lo + it * BN
+        if n0 < s_hi:
+            p = n0 + tl.arange(0, BN)
+            p_ok = p < s_hi
+            idx = p
+            if RING:
+                idx = p % R
+            kt = tl.load(k_ptr + slot * skc + idx[None, :] * skp + h * skh + d[:, None],
+                         mask=p_ok[None, :] & d_ok[:, None], other=0.0)
+            vt = tl.load(v_ptr + slot * svc + idx[:, None] * svp + h * svh + d[None, :],
+                         mask=p_ok[:, None] & d_ok[None, :], other=0.0)
+            if INTERPRETED:
+                kt, vt = kt.to(tl.float32), vt.to(tl.float32)
+            s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+            see = p_ok[None, :] & ((p[None, :] < start) | bidirectional | (p[None, :] <= qpos[:, None]))
+            if HAS_WINDOW:
+                see = see & ((p[None, :] > anchor[:, None] - W) | (i[:, None] >= length))
+            s = tl.where(see, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            e = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(e, 1)
+            acc = acc * alpha[:, None] + tl.dot(e.to(vt.dtype), vt, input_precision=PRECISION)
+            m_i = m_new
+
+    if SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + b * sob + i[:, None] * sol + head[:, None] * soh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:   # partials [SPLITS, B * HKV, L * G, D], (m, l) [SPLITS, B * HKV, L * G, 2]
+        row = (split * tl.num_programs(1) + pid_bh).to(tl.int64) * LG + r
+        tl.store(part_ptr + row[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(ml_ptr + row * 2, m_i, mask=row_ok)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, ml_ptr, out_ptr, sob, sol, soh, L, BHKV, HKV: tl.constexpr, G: tl.constexpr,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr, SPLITS: tl.constexpr):
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = (pid_bh // HKV).to(tl.int64), (pid_bh % HKV).to(tl.int64)
+    LG = L * G
+    r = pid_m * BM + tl.arange(0, BM)
+    row_ok = r < LG
+    d = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (d[None, :] < D)
+    m = tl.full((BM,), float("-inf"), dtype=tl.float32)
+    for s in range(SPLITS):
+        row = (s * BHKV + pid_bh).to(tl.int64) * LG + r
+        m = tl.maximum(m, tl.load(ml_ptr + row * 2, mask=row_ok, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros((BM, BLOCK_D), dtype=tl.float32)
+    l = tl.zeros((BM,), dtype=tl.float32)
+    for s in range(SPLITS):   # split order, whatever the rows
+        row = (s * BHKV + pid_bh).to(tl.int64) * LG + r
+        w = tl.exp2(tl.load(ml_ptr + row * 2, mask=row_ok, other=float("-inf")) - m)
+        l += w * tl.load(ml_ptr + row * 2 + 1, mask=row_ok, other=0.0)
+        acc += w[:, None] * tl.load(part_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0)
+    i = (r // G).to(tl.int64)
+    head = h * G + (r % G)
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + b * sob + i[:, None] * sol + head[:, None] * soh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+              lengths: torch.Tensor, causal: torch.Tensor, scale: float, window: int | None = None,
+              ring: int | None = None, keys: int | None = None, splits: int | None = None,
+              tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """q [B, L, Hq, D]; k, v: a cache [slots, positions, Hkv, D] read in place (a ring of `ring`
+    positions: p at p mod ring); slots, starts, lengths, causal [B] -> [B, L, Hq, D] in q's dtype.
+    `window`: the sliding window W, None for none. `keys`: a host-side bound on start + length over
+    the rows (the loop's trip count; default: the cache's positions). `splits`: key splits (default:
+    from the shapes alone, never from the metadata's values: no sync). `tiles`: (query rows, keys,
+    warps) per program instead of the head dim's (the tests' small tiles)."""
+    B, L, hq, D = q.shape
+    hkv = k.shape[2]
+    assert hq % hkv == 0 and k.shape[-1] == D and v.shape == k.shape, (q.shape, k.shape, v.shape)
+    assert window is None or window >= 1, window
+    assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16), q.dtype
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    G = hq // hkv
+    BM, BN, warps = tiles or _tiles(D)
+    extent = ring if ring is not None else (keys if keys is not None else k.shape[1])
+    grid_m = triton.cdiv(L * G, BM)
+    S = splits or default_splits(grid_m * B * hkv, extent, q.device)
+    # iterations per split, rounded up to a power of two so that growing key lengths compile a few times
+    iters = triton.next_power_of_2(triton.cdiv(triton.cdiv(extent, S), BN))
+    out = torch.empty_like(q)
+    if S > 1:
+        part = torch.empty(S, B * hkv, L * G, D, dtype=torch.float32, device=q.device)
+        ml = torch.empty(S, B * hkv, L * G, 2, dtype=torch.float32, device=q.device)
+    else:
+        part = ml = out   # unused
+    block_d = max(16, triton.next_power_of_2(D))
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _attn_kernel[(grid_m, B * hkv, S)](
+        q, k, v, out, part, ml, slots, starts, lengths, causal,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        L, window or 0, ring or 1, scale * LOG2E, HKV=hkv, G=G, D=D, BLOCK_D=block_d, BM=BM, BN=BN, SPLITS=S,
+        ITERS=iters, HAS_WINDOW=window is not None, RING=ring is not None, PRECISION=precision,
+        INTERPRETED=_INTERPRETED, num_warps=warps, num_stages=2)
+    if S > 1:
+        _combine_kernel[(grid_m, B * hkv)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), L, B * hkv,
+                                           HKV=hkv, G=G, D=D, BLOCK_D=block_d, BM=BM, SPLITS=S, num_warps=warps)
+    return out
