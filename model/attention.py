@@ -23,6 +23,7 @@ The step's metadata lives in one `StepContext`, made once per forward and read b
 from __future__ import annotations
 
 import contextlib
+import os
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -89,6 +90,9 @@ class StepContext:
     causal_rows: torch.Tensor | None = None  # [B] bool: prefill / commit rows True, denoise rows False
     fresh: bool = False        # every row starts at position 0 (a prefill): attend to the step's own keys
     ring: RingView | None = None  # sliding layers of a ring cache
+    starts: torch.Tensor | None = None   # [B] int64: each row's first position
+    lengths: torch.Tensor | None = None  # [B] int64: each row's real tokens
+    window: int | None = None  # the sliding layers' W
 
     @classmethod
     def build(cls, kv: KVCache | LayeredKVCache, slots: list[int], starts: list[int], lengths: list[int],
@@ -156,6 +160,21 @@ def ring_view(kv: LayeredKVCache, slot: torch.Tensor, start: torch.Tensor, lengt
 
 
 _current: ContextVar[StepContext | None] = ContextVar("step_context", default=None)
+# model.kernels.attention instead of gather + masked SDPA: opt-in (DLLM_TRITON_ATTENTION=1 or
+# triton_attention()). NOT THE DEFAULT: it has passed the CPU interpreter's tests only, never run on a GPU.
+_triton = os.environ.get("DLLM_TRITON_ATTENTION") == "1"
+
+
+@contextlib.contextmanager
+def triton_attention(on: bool = True):
+    """cached_attention through the triton kernel (or not) inside the block, on CUDA tensors (and on CPU
+    ones under triton's interpreter, for the tests); never in batch-invariant mode."""
+    global _triton
+    previous, _triton = _triton, on
+    try:
+        yield
+    finally:
+        _triton = previous
 
 
 @contextlib.contextmanager
@@ -185,6 +204,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     write = ring.write_index if ring is not None else ctx.write_index
     cache_k.view(-1, hkv, d).index_copy_(0, write, k.reshape(-1, hkv, d))
     cache_v.view(-1, hkv, d).index_copy_(0, write, v.reshape(-1, hkv, d))
+    if _triton and not batch_invariant.enabled() and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return _kernel_attention(ctx, q, k, v, cache_k, cache_v, ring is not None, sliding, scale)
     if ctx.fresh:      # a prefill: its own keys are every key it reads
         keys, values = k, v
         mask = ctx.window_mask if sliding else ctx.mask
@@ -206,3 +227,18 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     else:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)
+
+
+def _kernel_attention(ctx: StepContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+                      cache_v: torch.Tensor, ring: bool, sliding: bool, scale: float) -> torch.Tensor:
+    """cached_attention's keys and masks, read in place by model.kernels.attention: a prefill its own
+    keys (row b as slot b), a ring layer its ring under the window, others the slot's first kv_len."""
+    from model.kernels.attention import attention
+
+    meta = (ctx.starts, ctx.lengths, ctx.causal_rows)
+    if ctx.fresh:
+        rows = torch.arange(q.shape[0], device=q.device)
+        return attention(q, k, v, rows, *meta, scale, ctx.window if sliding else None, keys=q.shape[1])
+    if ring:   # the ring's mask always carries the window
+        return attention(q, cache_k, cache_v, ctx.slots, *meta, scale, ctx.window, ring=ctx.kv.ring_len)
+    return attention(q, cache_k, cache_v, ctx.slots, *meta, scale, ctx.window if sliding else None, keys=ctx.kv_len)

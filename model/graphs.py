@@ -43,7 +43,8 @@ def device_context(kv, meta: torch.Tensor, width: int, kv_len: int, window: int 
             raise ValueError(f"a step of width {width} after a prefill does not fit the ring of {kv.ring_len}")
         ring = ring_view(kv, slot, start, length, pos, real, causal, width, window, fresh)
     ctx = StepContext(kv=kv, slots=slot, write_index=write.flatten(), kv_len=kv_len, mask=visible.unsqueeze(1),
-                      window_mask=window_mask, causal_rows=causal, fresh=fresh, ring=ring)
+                      window_mask=window_mask, causal_rows=causal, fresh=fresh, ring=ring, starts=start,
+                      lengths=length, window=window)
     return ctx, pos
 
 

@@ -110,3 +110,79 @@ def test_fixed_steps_equal_sdpa():
 @pytest.mark.parametrize("D,seed,n", [(64, 1, 40), (128, 2, 30), (256, 3, 20)])
 def test_random_steps_equal_sdpa(D, seed, n):
     run_interpreted(CHECK + f"run({D}, {seed}, {n})\nprint('random cases pass')", "random cases pass", timeout=120)
+
+
+# cached_attention itself with the switch on, against it with the switch off: the prefill's own keys,
+# the full layer's flat cache, the sliding layer's flat cache or ring, in a sequence of steps
+SWITCH = r"""
+import torch
+from model.attention import LayeredKVCache, StepContext, step_context, cached_attention, triton_attention
+
+def layers(kv, ctx, gen, dtype, width):
+    B = len(ctx.slots)
+    for layer, (hkv, D) in enumerate([(2, 64), (1, 128)]):
+        q = torch.randn(B, width, 4, D, generator=gen).to(dtype)
+        k, v = (torch.randn(B, width, hkv, D, generator=gen).to(dtype) for _ in range(2))
+        with step_context(ctx):
+            expected = cached_attention(q, k, v, layer, D ** -0.5, sliding=layer == 1)
+            with triton_attention():
+                got = cached_attention(q, k, v, layer, D ** -0.5, sliding=layer == 1)
+        tol = (2 ** -16 if dtype == torch.float32 else 2 ** -7) * max(kv.v[layer].abs().max().item(), 1.0)
+        assert (got.float() - expected.float()).abs().max().item() <= tol, (layer, ctx.ring is not None, dtype)
+
+for ring in (None, 12):
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(0)
+        kv = LayeredKVCache([(2, 64), (1, 128)], 3, 40, dtype, "cpu", sliding=[False, True], ring=ring)
+        W = 5
+        steps = [([0, 2], [0, 0], [8, 5], [True, True], 8),      # prefill
+                 ([0, 2], [8, 5], [4, 4], [False, False], 4),    # denoise canvases
+                 ([0, 2, 1], [8, 5, 0], [4, 4, 3], [True, False, True], 4)]   # a commit, a denoise, a prefill
+        for slots, starts, lengths, causal, width in steps:
+            ctx = StepContext.build(kv, slots, starts, lengths, causal, width, "cpu", window=W)
+            layers(kv, ctx, gen, dtype, width)
+print("switch equals sdpa")
+"""
+
+
+def test_cached_attention_switch_equals_sdpa():
+    run_interpreted(SWITCH, "switch equals sdpa", timeout=120)
+
+
+def _gpu_step(kv, B, width, starts_from, window, gen, fresh=False):
+    import random
+
+    rng = random.Random(gen.initial_seed())
+    slots = rng.sample(range(kv.num_slots), B)
+    causal = [rng.random() < 0.5 for _ in range(B)]
+    starts = [0 if fresh else rng.randint(starts_from, kv.max_len - width) for _ in range(B)]
+    lengths = [rng.randint(1, width) if c else width for c in causal]
+    from model.attention import StepContext
+
+    return StepContext.build(kv, slots, starts, lengths, causal, width, "cuda", window=window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,D,sliding,ring", [(32, 8, 128, False, None), (16, 8, 256, True, None),
+                                                    (16, 8, 256, True, 511 + 32), (16, 2, 512, False, None)])
+@pytest.mark.parametrize("fresh", [False, True])
+def test_cuda_kernel_equals_sdpa(hq, hkv, D, sliding, ring, fresh):
+    """On CUDA in bf16 at serving shapes (batch 16 x 32 queries over up to ~1100 keys; a prefill of 2 x
+    512), the switch's kernel against SDPA, through cached_attention."""
+    from model.attention import LayeredKVCache, cached_attention, step_context, triton_attention
+
+    gen = torch.Generator().manual_seed(D + hkv + bool(ring))
+    W = 512
+    kv = LayeredKVCache([(hkv, D)], 16, 1088, torch.bfloat16, "cuda", sliding=[sliding], ring=ring)
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=gen))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=gen))
+    B, width = (2, 512) if fresh else (16, 32)
+    ctx = _gpu_step(kv, B, width, 0, W, gen, fresh=fresh)
+    q = (torch.randn(B, width, hq, D, generator=gen) * 2).to(torch.bfloat16).cuda()
+    k, v = (torch.randn(B, width, hkv, D, generator=gen).to(torch.bfloat16).cuda() for _ in range(2))
+    with step_context(ctx), torch.no_grad():
+        expected = cached_attention(q, k, v, 0, D ** -0.5, sliding=sliding)
+        with triton_attention():
+            got = cached_attention(q, k, v, 0, D ** -0.5, sliding=sliding)
+    vmax = max(kv.v[0].abs().max().item(), v.abs().max().item())
+    assert (got.float() - expected.float()).abs().max().item() <= 2 ** -7 * vmax
