@@ -12,10 +12,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_interpreted(code: str, done: str, timeout: float = 300) -> None:
+def run_interpreted(code: str, done: str, timeout: float = 300) -> str:
     """Runs `code` under TRITON_INTERPRET=1; it must exit 0 and print `done` (an assert that never ran
-    cannot pass)."""
+    cannot pass). Returns what it printed."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0 and done in out.stdout, out.stderr[-3000:]
+    return out.stdout

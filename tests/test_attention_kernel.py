@@ -112,6 +112,62 @@ def test_random_steps_equal_sdpa(D, seed, n):
     run_interpreted(CHECK + f"run({D}, {seed}, {n})\nprint('random cases pass')", "random cases pass", timeout=120)
 
 
+# batch invariance: a row alone (its own width and key bound) and among neighbours (a wider step, more
+# keys, other slots), with invariant=True, gives the same bits for its real queries
+INVARIANT = r"""
+import random
+import torch
+import model.kernels.attention as ka
+from model.attention import LayeredKVCache
+from model.kernels.attention import attention
+
+invariant = INVARIANT_FLAG
+ka._sm_count = lambda device: 8   # a GPU of 8 SMs: the default config splits a lone row's keys, not a batch's
+rng = random.Random(7)
+mismatches = cases = 0
+for dtype in (torch.float32, torch.bfloat16):
+    for window, ring in [(None, None), (100, None), (150, 150 - 1 + 12)]:
+        kv = LayeredKVCache([(2, 64)], 6, 320, dtype, "cpu", sliding=[window is not None], ring=ring)
+        gen = torch.Generator().manual_seed(len(str(window)) + (ring or 0))
+        for t in (kv.k[0], kv.v[0]):
+            t.copy_(torch.randn(t.shape, generator=gen))
+        for _ in range(6):
+            width = rng.choice([4, 8])
+            slot, causal = rng.randrange(6), rng.random() < 0.5
+            start = rng.randint(64, 320 - 12)
+            length = rng.randint(1, width) if causal else width
+            q = (torch.randn(1, width, 4, 64, generator=gen) * 2).to(dtype)
+            def run(rows, qs, L):
+                meta = [torch.tensor(x, dtype=torch.int64) for x in zip(*rows)]
+                keys = max(r[1] + L for r in rows)
+                qb = torch.zeros(len(rows), L, 4, 64, dtype=dtype)
+                for b, x in enumerate(qs):
+                    qb[b, : x.shape[1]] = x[0]
+                R = kv.ring_len if ring else None
+                return attention(qb, kv.k[0], kv.v[0], *meta, 0.125, window, ring=R, keys=keys if not ring else None,
+                                 invariant=invariant)
+            alone = run([(slot, start, length, int(causal))], [q], width)
+            others = rng.sample([s for s in range(6) if s != slot], rng.randint(1, 5))
+            rows = [(s, rng.randint(0, 320 - 12), 12, 0) for s in others]
+            where = rng.randrange(len(rows) + 1)
+            rows.insert(where, (slot, start, length, int(causal)))
+            qs = [(torch.randn(1, 12, 4, 64, generator=gen) * 2).to(dtype) for _ in others]
+            qs.insert(where, q)
+            batch = run(rows, qs, 12)
+            cases += 1
+            mismatches += not torch.equal(alone[0, :length], batch[where, :length])
+print(f"{mismatches} of {cases} rows differ")
+"""
+
+
+def test_invariant_rows_keep_their_bits_among_neighbours():
+    """With invariant=True no row differs; the same check over the default config (whose splits follow
+    the batch) finds rows that do, so it can tell."""
+    run_interpreted(INVARIANT.replace("INVARIANT_FLAG", "True"), "0 of 36 rows differ", timeout=150)
+    out = run_interpreted(INVARIANT.replace("INVARIANT_FLAG", "False"), "rows differ", timeout=150)
+    assert "0 of 36 rows differ" not in out, out
+
+
 # cached_attention itself with the switch on, against it with the switch off: the prefill's own keys,
 # the full layer's flat cache, the sliding layer's flat cache or ring, in a sequence of steps
 SWITCH = r"""
@@ -165,24 +221,27 @@ def _gpu_step(kv, B, width, starts_from, window, gen, fresh=False):
 @pytest.mark.gpu
 @pytest.mark.parametrize("hq,hkv,D,sliding,ring", [(32, 8, 128, False, None), (16, 8, 256, True, None),
                                                     (16, 8, 256, True, 511 + 32), (16, 2, 512, False, None)])
-@pytest.mark.parametrize("fresh", [False, True])
-def test_cuda_kernel_equals_sdpa(hq, hkv, D, sliding, ring, fresh):
-    """On CUDA in bf16 at serving shapes (batch 16 x 32 queries over up to ~1100 keys; a prefill of 2 x
-    512), the switch's kernel against SDPA, through cached_attention."""
+@pytest.mark.parametrize("B", [1, 16])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_cuda_kernel_equals_sdpa(hq, hkv, D, sliding, ring, B, invariant):
+    """On CUDA in bf16 at serving shapes (B x 32 queries over up to ~1100 keys: batch 1 splits its keys,
+    batch 16 does not; batch-invariant mode's fixed tiles), cached_attention's kernel against its SDPA
+    path."""
+    from model import batch_invariant
     from model.attention import LayeredKVCache, cached_attention, step_context, triton_attention
 
-    gen = torch.Generator().manual_seed(D + hkv + bool(ring))
+    gen = torch.Generator().manual_seed(D + hkv + bool(ring) + B)
     W = 512
     kv = LayeredKVCache([(hkv, D)], 16, 1088, torch.bfloat16, "cuda", sliding=[sliding], ring=ring)
     kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=gen))
     kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=gen))
-    B, width = (2, 512) if fresh else (16, 32)
-    ctx = _gpu_step(kv, B, width, 0, W, gen, fresh=fresh)
-    q = (torch.randn(B, width, hq, D, generator=gen) * 2).to(torch.bfloat16).cuda()
-    k, v = (torch.randn(B, width, hkv, D, generator=gen).to(torch.bfloat16).cuda() for _ in range(2))
-    with step_context(ctx), torch.no_grad():
-        expected = cached_attention(q, k, v, 0, D ** -0.5, sliding=sliding)
-        with triton_attention():
+    ctx = _gpu_step(kv, B, 32, 0, W, gen)
+    q = (torch.randn(B, 32, hq, D, generator=gen) * 2).to(torch.bfloat16).cuda()
+    k, v = (torch.randn(B, 32, hkv, D, generator=gen).to(torch.bfloat16).cuda() for _ in range(2))
+    with step_context(ctx), torch.no_grad(), batch_invariant.batch_invariant(invariant):
+        with triton_attention(False):
+            expected = cached_attention(q, k, v, 0, D ** -0.5, sliding=sliding)
+        with triton_attention(True):
             got = cached_attention(q, k, v, 0, D ** -0.5, sliding=sliding)
     vmax = max(kv.v[0].abs().max().item(), v.abs().max().item())
     assert (got.float() - expected.float()).abs().max().item() <= 2 ** -7 * vmax

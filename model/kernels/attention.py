@@ -18,11 +18,16 @@ keys as a cache of B slots (slot b = row b).
 
 One program per (block of (query, head-of-group) pairs, kv head, key split): a kv head's G query heads
 share its key tiles (GQA by indexing, no repeat). Each program walks only the key blocks its queries
-can see: [first position any of them sees, last + 1), cut into `splits` equal pieces when there are
-few programs (flash-decoding); the splits' partial softmax states are combined in split order.
-Scores and sums accumulate in fp32.
+can see: [first position any of them sees, last + 1), from a multiple of the key tile, cut into
+`splits` equal pieces when there are few programs (flash-decoding); the splits' partial softmax
+states are combined in split order. Scores and sums accumulate in fp32.
 
-Not run on a GPU yet: the tile shapes below are guesses, not measurements.
+Batch invariance (`invariant=True`): tiles from the head dim alone and one split. A row's query
+blocks are then its own (a block never mixes requests), its key blocks sit at multiples of the key
+tile, and a fully masked block leaves the softmax state's bits unchanged, so a row's output does not
+depend on its neighbours.
+
+Tiles and splits come from timings on an H200 (`_config`).
 """
 from __future__ import annotations
 
@@ -40,15 +45,6 @@ MAX_SPLITS = 16
 MIN_SPLIT_KEYS = 256
 
 
-def _tiles(d: int) -> tuple[int, int, int]:
-    """(query rows, keys, warps) per program: the fp32 accumulator [rows, D] bounds the rows."""
-    if d <= 128:
-        return 64, 64, 4
-    if d <= 256:
-        return 32, 64, 8
-    return 16, 32, 8
-
-
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
@@ -56,9 +52,25 @@ def _sm_count(device: torch.device) -> int:
     return 132  # the interpreter: an H200's
 
 
-def default_splits(programs: int, keys: int, device: torch.device) -> int:
-    """Key splits: enough programs for two per SM, each split at least MIN_SPLIT_KEYS keys."""
-    return max(1, min(MAX_SPLITS, triton.cdiv(2 * _sm_count(device), programs), triton.cdiv(keys, MIN_SPLIT_KEYS)))
+# (query rows, keys, warps) per program by head dim, for one row / for several (or batch-invariant
+# mode): timed on an H200 at batch 1 and 4 (32 queries over 1088 keys at head dim 128; a 256-token
+# canvas over DiffusionGemma's ring at 256 and its 2048 keys at 512, where the fp32 accumulator
+# [rows, 512] bounds the rows)
+TILES = {128: ((32, 64, 4), (64, 64, 4)), 256: ((64, 32, 4), (128, 32, 8)), 512: ((32, 64, 8), (64, 32, 8))}
+
+
+def _config(d: int, rows: int, batch: int, hkv: int, keys: int, device: torch.device,
+            invariant: bool) -> tuple[int, int, int, int]:
+    """(query rows, keys, warps, splits) per program for `batch` x `hkv` kv heads of `rows` (query,
+    head) pairs each over up to `keys` keys: TILES' first for a lone row (more, smaller programs), the
+    second otherwise; keys split only while the programs are at most half the SMs, into >=
+    MIN_SPLIT_KEYS keys each. Invariant: the second tiles whatever the batch, and one split."""
+    bm, bn, warps = TILES[next(t for t in TILES if d <= t)][1 if invariant or batch > 1 else 0]
+    programs = batch * hkv * triton.cdiv(rows, bm)
+    sms = _sm_count(device)
+    if invariant or 2 * programs > sms:
+        return bm, bn, warps, 1
+    return bm, bn, warps, max(1, min(MAX_SPLITS, triton.cdiv(sms, programs), triton.cdiv(keys, MIN_SPLIT_KEYS)))
 
 
 @triton.jit
@@ -100,6 +112,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, slot_ptr, start
     if HAS_WINDOW:
         anchor_min = tl.where(causal, start + i_min, start)
         lo = tl.where(i_max < length, tl.maximum(lo, anchor_min - W + 1), lo)
+    lo = lo // BN * BN   # key blocks at multiples of BN: the same blocks whatever the neighbours
     span = tl.maximum(hi - lo, 0)
     chunk = tl.cdiv(tl.cdiv(span, SPLITS), BN) * BN
     s_lo = lo + split * chunk
@@ -116,7 +129,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, slot_ptr, start
             p = n0 + tl.arange(0, BN)
             p_ok = p < s_hi
             idx = p
-            if RING:
+            if RING:   # below `first` (the aligned start's slack) the ring holds other positions
+                p_ok = p_ok & (p >= first)
                 idx = p % R
             kt = tl.load(k_ptr + slot * skc + idx[None, :] * skp + h * skh + d[:, None],
                          mask=p_ok[None, :] & d_ok[:, None], other=0.0)
@@ -180,26 +194,30 @@ def _combine_kernel(part_ptr, ml_ptr, out_ptr, sob, sol, soh, L, BHKV, HKV: tl.c
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
               lengths: torch.Tensor, causal: torch.Tensor, scale: float, window: int | None = None,
               ring: int | None = None, keys: int | None = None, splits: int | None = None,
-              tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+              tiles: tuple[int, int, int] | None = None, invariant: bool = False) -> torch.Tensor:
     """q [B, L, Hq, D]; k, v: a cache [slots, positions, Hkv, D] read in place (a ring of `ring`
     positions: p at p mod ring); slots, starts, lengths, causal [B] -> [B, L, Hq, D] in q's dtype.
     `window`: the sliding window W, None for none. `keys`: a host-side bound on start + length over
     the rows (the loop's trip count; default: the cache's positions). `splits`: key splits (default:
     from the shapes alone, never from the metadata's values: no sync). `tiles`: (query rows, keys,
-    warps) per program instead of the head dim's (the tests' small tiles)."""
+    warps) per program instead of the head dim's (the tests' small tiles). `invariant`: each row's output independent of the other rows
+    (batch-invariant mode)."""
     B, L, hq, D = q.shape
     hkv = k.shape[2]
     assert hq % hkv == 0 and k.shape[-1] == D and v.shape == k.shape, (q.shape, k.shape, v.shape)
     assert window is None or window >= 1, window
+    assert D <= max(TILES), f"head dim {D} > {max(TILES)}"
     assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16), q.dtype
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     G = hq // hkv
-    BM, BN, warps = tiles or _tiles(D)
     extent = ring if ring is not None else (keys if keys is not None else k.shape[1])
+    BM, BN, warps, S = _config(D, L * G, B, hkv, extent, q.device, invariant)
+    BM, BN, warps = tiles or (BM, BN, warps)
+    S = splits or S
     grid_m = triton.cdiv(L * G, BM)
-    S = splits or default_splits(grid_m * B * hkv, extent, q.device)
     # iterations per split, rounded up to a power of two so that growing key lengths compile a few times
-    iters = triton.next_power_of_2(triton.cdiv(triton.cdiv(extent, S), BN))
+    # (+ BN - 1: the range starts at a multiple of BN, up to BN - 1 keys early)
+    iters = triton.next_power_of_2(triton.cdiv(triton.cdiv(extent + BN - 1, S), BN))
     out = torch.empty_like(q)
     if S > 1:
         part = torch.empty(S, B * hkv, L * G, D, dtype=torch.float32, device=q.device)
