@@ -14,9 +14,12 @@ query at position q sees keys (q - W, q]; a denoise row's queries see the last W
 the whole canvas, the window anchored at the canvas start as in transformers (its decoder reads the
 sliding cache layer, which holds the last W - 1 prefix tokens, then appends the canvas).
 
-A prefill (every row starting at position 0) attends to its own keys and values; later steps read
-the cache. Sliding layers of a LayeredKVCache with a ring keep only the last `ring` positions of each
-slot (p at p mod ring, ring = W - 1 + the widest step), so their memory is bounded by the window.
+A prefill (every row starting at position 0) attends to its own keys and values (SDPA); later steps
+read the cache: on CUDA in place, through model.kernels.attention, which computes these masks from
+the rows' starts, lengths and kinds; elsewhere (and with DLLM_TRITON_ATTENTION=0) by gathering each
+row's keys for a masked SDPA, the reference the kernel is tested against. Sliding layers of a
+LayeredKVCache with a ring keep only the last `ring` positions of each slot (p at p mod ring, ring =
+W - 1 + the widest step), so their memory is bounded by the window.
 
 The step's metadata lives in one `StepContext`, made once per forward and read by every layer.
 """
