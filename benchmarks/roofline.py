@@ -95,9 +95,11 @@ def timed(runner: Runner, prompts, params) -> dict:
     return run_requests(runner, prompts, params)
 
 
-def profile_step(runner: Runner, prompt: list[int], params: DecodeParams, top: int = 15) -> list[dict]:
+def profile_step(runner: Runner, prompt: list[int], params: DecodeParams, top: int = 30) -> list[dict]:
     """The operators (with input shapes) taking the most CUDA time in one command of 4 steps, eager (so
-    each kernel is attributed to its operator); per step."""
+    each kernel is attributed to its operator); per step. An aten operator and the kernel it launched
+    are listed apart with the same time (triton kernels launched from python only as kernels), so the
+    list and its "all" total count most time twice."""
     from torch.profiler import ProfilerActivity, profile
 
     graphs, runner.graphs = runner.graphs, None
