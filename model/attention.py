@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model import batch_invariant
+from model.kernels.launch import INTERPRETED
 
 
 class KVCache:
@@ -164,8 +165,9 @@ def ring_view(kv: LayeredKVCache, slot: torch.Tensor, start: torch.Tensor, lengt
 
 _current: ContextVar[StepContext | None] = ContextVar("step_context", default=None)
 # Steps after a prefill on CUDA read the cache in place through model.kernels.attention instead of
-# gathering it for a masked SDPA (on an H200, 8B shapes: 15 against 52 us a layer at batch 1, 47
-# against 167 at batch 16). DLLM_TRITON_ATTENTION=0 (or triton_attention(False)) turns it off.
+# gathering it for a masked SDPA (on an H200, 8B shapes, the cache write included: 20 against 53 us a
+# layer at batch 1, 57 against 166 at batch 16). DLLM_TRITON_ATTENTION=0 (or triton_attention(False))
+# turns it off.
 _triton = os.environ.get("DLLM_TRITON_ATTENTION", "1") != "0"
 
 
@@ -208,7 +210,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     write = ring.write_index if ring is not None else ctx.write_index
     cache_k.view(-1, hkv, d).index_copy_(0, write, k.reshape(-1, hkv, d))
     cache_v.view(-1, hkv, d).index_copy_(0, write, v.reshape(-1, hkv, d))
-    if _triton and not ctx.fresh and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if _triton and not ctx.fresh and (q.is_cuda or INTERPRETED):
         return _kernel_attention(ctx, q, cache_k, cache_v, ring is not None, sliding, scale)
     if ctx.fresh:      # a prefill: its own keys are every key it reads
         keys, values = k, v

@@ -122,7 +122,7 @@ from model.attention import LayeredKVCache
 from model.kernels.attention import attention
 
 invariant = INVARIANT_FLAG
-ka._sm_count = lambda device: 8   # a GPU of 8 SMs: the default config splits a lone row's keys, not a batch's
+ka.sm_count = lambda device: 8   # a GPU of 8 SMs: the default config splits a lone row's keys, not a batch's
 rng = random.Random(7)
 mismatches = cases = 0
 for dtype in (torch.float32, torch.bfloat16):
@@ -205,13 +205,13 @@ def test_cached_attention_switch_equals_sdpa():
     run_interpreted(SWITCH, "switch equals sdpa", timeout=120)
 
 
-def _gpu_step(kv, B, width, starts_from, window, gen, fresh=False):
+def _gpu_step(kv, B, width, starts_from, window, gen):
     import random
 
     rng = random.Random(gen.initial_seed())
     slots = rng.sample(range(kv.num_slots), B)
     causal = [rng.random() < 0.5 for _ in range(B)]
-    starts = [0 if fresh else rng.randint(starts_from, kv.max_len - width) for _ in range(B)]
+    starts = [rng.randint(starts_from, kv.max_len - width) for _ in range(B)]
     lengths = [rng.randint(1, width) if c else width for c in causal]
     from model.attention import StepContext
 

@@ -31,25 +31,15 @@ Tiles and splits come from timings on an H200 (`_config`).
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-# triton's CPU interpreter (the CPU tests) multiplies 16-bit floats as raw bits: it gets them in fp32
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from model.kernels.launch import INTERPRETED, sm_count
+
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 MIN_SPLIT_KEYS = 256
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter: an H200's
 
 
 # (query rows, keys, warps) per program by head dim, for one row / for several (or batch-invariant
@@ -67,7 +57,7 @@ def _config(d: int, rows: int, batch: int, hkv: int, keys: int, device: torch.de
     MIN_SPLIT_KEYS keys each. Invariant: the second tiles whatever the batch, and one split."""
     bm, bn, warps = TILES[next(t for t in TILES if d <= t)][1 if invariant or batch > 1 else 0]
     programs = batch * hkv * triton.cdiv(rows, bm)
-    sms = _sm_count(device)
+    sms = sm_count(device)
     if invariant or 2 * programs > sms:
         return bm, bn, warps, 1
     return bm, bn, warps, max(1, min(MAX_SPLITS, triton.cdiv(sms, programs), triton.cdiv(keys, MIN_SPLIT_KEYS)))
@@ -200,8 +190,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     `window`: the sliding window W, None for none. `keys`: a host-side bound on start + length over
     the rows (the loop's trip count; default: the cache's positions). `splits`: key splits (default:
     from the shapes alone, never from the metadata's values: no sync). `tiles`: (query rows, keys,
-    warps) per program instead of the head dim's (the tests' small tiles). `invariant`: each row's output independent of the other rows
-    (batch-invariant mode)."""
+    warps) per program instead of `_config`'s (the tests' small tiles). `invariant`: each row's output
+    independent of the other rows (batch-invariant mode)."""
     B, L, hq, D = q.shape
     hkv = k.shape[2]
     assert hq % hkv == 0 and k.shape[-1] == D and v.shape == k.shape, (q.shape, k.shape, v.shape)
@@ -232,7 +222,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         L, window or 0, ring or 1, scale * LOG2E, HKV=hkv, G=G, D=D, BLOCK_D=block_d, BM=BM, BN=BN, SPLITS=S,
         ITERS=iters, HAS_WINDOW=window is not None, RING=ring is not None, PRECISION=precision,
-        INTERPRETED=_INTERPRETED, num_warps=warps, num_stages=2)
+        INTERPRETED=INTERPRETED, num_warps=warps, num_stages=2)
     if S > 1:
         _combine_kernel[(grid_m, B * hkv)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), L, B * hkv,
                                            HKV=hkv, G=G, D=D, BLOCK_D=block_d, BM=BM, SPLITS=S, num_warps=warps)

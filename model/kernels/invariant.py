@@ -16,13 +16,13 @@ model.batch_invariant decides when they run; this module only computes.
 """
 from __future__ import annotations
 
-import functools
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from model.kernels.launch import INTERPRETED, sm_count
 
 
 
@@ -44,22 +44,13 @@ GROUPED_TILES = Tiles(64, 128, 64, 8, 3)
 MAX_SPLITS = 8
 ROWS_PER_LAUNCH = 512    # bounds the split-K workspace (splits x 512 x N fp32)
 ROW_BLOCK = 1024
-# triton's CPU interpreter (the CPU tests) multiplies 16-bit floats as raw bits: it gets them in fp32
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter (CPU tests): an H200's, so the tests run the GPU's split counts
 
 
 def k_splits(n: int, k: int, device: torch.device, tiles: Tiles = MATMUL_TILES) -> int:
     """Splits of K for a weight [n, k]: enough programs to fill the GPU at a single row tile (two per
     SM), a power of two, each split at least 4 chunks deep. A function of the weight alone."""
     tiles_n = triton.cdiv(n, tiles.n)
-    want = max(1, min(MAX_SPLITS, 2 * _sm_count(device) // tiles_n, k // (4 * tiles.k)))
+    want = max(1, min(MAX_SPLITS, 2 * sm_count(device) // tiles_n, k // (4 * tiles.k)))
     return 1 << (want.bit_length() - 1)
 
 
@@ -114,7 +105,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, tiles: Tiles = MATMUL_TILES) -> tor
         _matmul_kernel[grid](a, w, target, m, n, k, a.stride(0), a.stride(1), w.stride(0), w.stride(1),
                              target.stride(0) if splits > 1 else 0, n, 1, K_PER_SPLIT=k_per_split,
                              BM=tiles.m, BN=tiles.n, BK=tiles.k, PRECISION=_precision(x.dtype),
-                             INTERPRETED=_INTERPRETED, num_warps=tiles.warps, num_stages=tiles.stages)
+                             INTERPRETED=INTERPRETED, num_warps=tiles.warps, num_stages=tiles.stages)
         if splits > 1:
             _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](target, y, m * n, S=splits, BLOCK=1024)
     return out.view(*x.shape[:-1], n)
@@ -163,7 +154,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, tiles: 
     out = torch.empty(p, n, dtype=x.dtype, device=x.device)
     _grouped_kernel[(max_tiles, triton.cdiv(n, tiles.n))](
         x, w, out, expert, row, ends, n, e, x.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), K=k,
-        BM=tiles.m, BN=tiles.n, BK=tiles.k, PRECISION=_precision(x.dtype), INTERPRETED=_INTERPRETED,
+        BM=tiles.m, BN=tiles.n, BK=tiles.k, PRECISION=_precision(x.dtype), INTERPRETED=INTERPRETED,
         num_warps=tiles.warps, num_stages=tiles.stages)
     return out
 

@@ -12,22 +12,18 @@ depend on its neighbours. model.sampling.stats.combine merges splits and ranks.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from model.kernels.launch import INTERPRETED
 from model.sampling.noise import STREAM_GUMBEL
 from model.sampling.stats import NUM_SUMS, VocabPasses
 
 BLOCK = 2048
 SPLIT = 16384          # vocabulary entries per program: 8 splits of a 131072 slice
 _ROUNDED = {None: 0, torch.bfloat16: 1, torch.float16: 2}
-# triton's CPU interpreter (the CPU tests) has no libdevice: tanh from exp there, CUDA's tanhf (what
-# torch's tanh runs, so the same bits) on the GPU
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -185,7 +181,7 @@ def triton_partials(x: torch.Tensor, temperature: torch.Tensor, seed: torch.Tens
     _vocab_stats_kernel[(n_total, splits)](
         x, temp, seed.contiguous(), counter.contiguous(), thr, keys, sums, P, V, vocab_start, splits, n_total,
         float(softcap or 1.0), STREAM=STREAM_GUMBEL, HAS_SOFTCAP=softcap is not None, HAS_THR=threshold is not None,
-        THR_ON_SCALED=threshold_on_scaled, SAMPLING=sampling, ROUNDED=_ROUNDED[soft_dtype], INTERPRETED=_INTERPRETED,
+        THR_ON_SCALED=threshold_on_scaled, SAMPLING=sampling, ROUNDED=_ROUNDED[soft_dtype], INTERPRETED=INTERPRETED,
         SPLIT_SIZE=min(SPLIT, triton.next_power_of_2(V)), BLOCK_SIZE=min(BLOCK, triton.next_power_of_2(V)),
         num_warps=8)
     return keys, sums
@@ -230,7 +226,7 @@ def triton_probabilities(x: torch.Tensor, temperature: torch.Tensor, log_norm: t
     _probabilities_kernel[(R * P, triton.cdiv(V, block))](
         x, temp, thr, log_norm.float().contiguous(), out, P, V, float(softcap or 1.0),
         HAS_SOFTCAP=softcap is not None, HAS_THR=threshold is not None, THR_ON_SCALED=threshold_on_scaled,
-        ROUNDED=_ROUNDED[soft_dtype], INTERPRETED=_INTERPRETED, BLOCK_SIZE=block, num_warps=4)
+        ROUNDED=_ROUNDED[soft_dtype], INTERPRETED=INTERPRETED, BLOCK_SIZE=block, num_warps=4)
     return out
 
 
