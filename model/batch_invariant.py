@@ -10,8 +10,9 @@ model.kernels.invariant's fixed-order kernels:
     linear, grouped_matmul    fixed tiles and K-splits chosen by the weight's shape
     row_sum, mean_square,     one program per row (norms, the router's softmax and weights, the
     row_cumsum, softmax       sampler's sums and its entropy-bound scans)
-    attention                 the memory-efficient SDPA kernel (per query block, keys in order; a
-                              longer padded key range adds exact zeros)
+    attention                 after a prefill, model.kernels.attention with fixed tiles and one key
+                              split (a row's blocks are its own); a prefill, the memory-efficient
+                              SDPA kernel (per query block, keys in order)
     all_reduce (TP > 1),      parts added left to right (sum_in_order): every rank's gathered part,
     the experts' outputs      a token's k expert outputs
 
