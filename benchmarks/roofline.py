@@ -30,6 +30,7 @@ from benchmarks.shapes import write_diffusion_gemma_shapes, write_shapes
 from model.protocol import Command, NewSlot
 from model.runner import Runner
 from model.sampling.params import DecodeParams
+from workers.scheduler import Scheduler
 from workers.shard_group import build_runner
 
 STEPS_PER_COMMAND = 32
@@ -63,30 +64,31 @@ def floor_bytes(model) -> int:
 
 
 def run_requests(runner: Runner, prompts: list[list[int]], params: DecodeParams) -> dict:
-    """Admits one slot per prompt and runs commands until every request emitted max_tokens. Times every
-    command separately (synchronised), so the steady state (commands after the first, which holds the
-    prefill) is reported apart from the whole."""
+    """Runs the prompts to the end as the server does: commands from its scheduler (workers/scheduler.py,
+    at most STEPS_PER_COMMAND steps, fewer when the slots' step bounds say so). Times every command
+    separately (synchronised), so the steady state (commands after the first, which holds the prefill)
+    is reported apart from the whole."""
     n = len(prompts)
-    cmd = Command(admit=tuple(NewSlot(i, tuple(p), params, i) for i, p in enumerate(prompts)),
-                  max_steps=STEPS_PER_COMMAND)
-    emitted, walls, steps, denoising = [0] * n, [], [], 0
+    scheduler = Scheduler(runner.slots.num_slots, n, runner.model.config.eos_token_ids, runner.max_model_len,
+                          runner.C, STEPS_PER_COMMAND, budget=runner.budget)
+    requests = [scheduler.add(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    walls, steps, denoising = [], [], 0
     torch.cuda.synchronize()
     start = time.perf_counter()
-    while min(emitted) < params.max_tokens:
+    while not all(r.finished for r in requests):
+        cmd = scheduler.schedule()
         t = time.perf_counter()
         events = runner.execute(cmd)
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t)
         steps.append(events.steps)
         denoising += events.counters.denoising_steps
-        for b in events.blocks:
-            emitted[b.slot] += len(b.tokens)
-        cmd = Command(max_steps=STEPS_PER_COMMAND)
+        scheduler.apply(events)
     wall = time.perf_counter() - start
-    runner.execute(Command(release=tuple(range(n)), max_steps=0))
-    tokens = sum(min(e, params.max_tokens) for e in emitted)
+    runner.execute(scheduler.schedule())   # frees the slots
+    tokens = sum(len(r.output) for r in requests)
     return {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall, "denoising_steps": denoising,
-            "denoising_steps_per_s": denoising / wall, "steps": sum(steps),
+            "denoising_steps_per_s": denoising / wall, "steps": sum(steps), "commands": steps,
             "steady_step_s": sum(walls[1:]) / max(sum(steps[1:]), 1)}
 
 

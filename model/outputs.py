@@ -4,7 +4,8 @@ Each slot has a token stream for the command: a step that emits (a commit, an ac
 token) appends to it at the slot's cursor, with the scores of each token, and adds to the slot's
 canvas and denoising-step totals. Device ops only, so steps can append inside CUDA graphs; the
 stream's capacity bounds what a command of `max_steps` steps can emit. `copy_out` moves cursors,
-streams, counters and the slots' lengths and phases to the host in one synchronisation.
+streams, counters and the slots' lengths, phases, step counters and emitted counts to the host in one
+synchronisation.
 """
 from __future__ import annotations
 
@@ -75,9 +76,9 @@ class CommandOutputs:
         """The host's copy of the command's results (one synchronisation): a Block per slot in `emitting`
         that emitted, committed or drafted anything; `scored` maps the slots that asked for scores to their
         k; `drafting` the slots whose drafts of this command (of `command_steps` steps) ride along.
-        Also refreshes the table's host copy of lengths and phases."""
+        Also refreshes the table's host copy of lengths, phases, denoising steps and emitted counts."""
         dev = self.device
-        small = torch.stack([self.count, self.canvases, self.steps, slots.length, slots.phase])
+        small = torch.stack([self.count, self.canvases, self.steps, slots.length, slots.phase, slots.n, slots.emitted])
         parts = {"small": small, "counters": self.counters, "tokens": self.tokens[:, : self.capacity]}
         kmax = max(scored.values(), default=0)
         if scored:
@@ -97,8 +98,8 @@ class CommandOutputs:
             done.synchronize()   # the command's one wait (an event: sync-debug mode does not flag it)
         else:
             host = {name: t.clone() for name, t in parts.items()}
-        count, canvases, steps, length, phase = host["small"].tolist()
-        slots.host_length, slots.host_phase = length, phase
+        count, canvases, steps, length, phase, n, emitted = host["small"].tolist()
+        slots.host_length, slots.host_phase, slots.host_n, slots.host_emitted = length, phase, n, emitted
         counters = StepCounters(**dict(zip(COUNTERS, host["counters"].tolist())))
         row_of = {s: i for i, s in enumerate(sorted(scored))}
         drafted = DraftBuffer.drafts(host, drafting) if drafting else {}

@@ -22,7 +22,8 @@ class NewSlot:
 class Command:
     release: tuple[int, ...] = ()      # slots to free before anything else (finished or cancelled)
     admit: tuple[NewSlot, ...] = ()    # slots to prefill in this command's first step
-    max_steps: int = 1                 # steps to run (a slot that finishes earlier idles until the end)
+    max_steps: int = 1                 # steps to run (a slot that finishes earlier idles until the end;
+                                       # the scheduler sizes commands by the slots' steps_left)
 
 
 @dataclass
@@ -72,3 +73,5 @@ class Events:
     blocks: list[Block] = field(default_factory=list)
     steps: int = 0
     counters: StepCounters = field(default_factory=StepCounters)
+    # every occupied slot's bound on the steps it can still run (model/phases.py), as of the command's end
+    steps_left: dict[int, int] = field(default_factory=dict)

@@ -8,7 +8,9 @@ followed by its sampler and state update. All per-slot state lives on the device
 the step kinds (model/steps) update it with device ops only, so the host reads nothing until the
 command ends: then model/outputs.py copies every slot's emitted tokens and scores, the counters and
 the slots' lengths and phases in one synchronisation. A slot that finishes mid-command (max_tokens,
-an EOS) turns `done` on the device and idles until the command ends. On CUDA each step replays a graph
+an EOS) turns `done` on the device and idles until the command ends; the events carry each slot's
+bound on the steps it can still run (model/phases.py), by which the scheduler sizes the next command
+so that few steps are spent on idle rows. On CUDA each step replays a graph
 (model/graphs.py). A runner made with `batch_invariant=True` runs each command, captures included, in
 model.batch_invariant's mode: a slot's results are then the same bits whatever shares its batch.
 """
@@ -22,6 +24,7 @@ from model.config import RenoiseDefaults
 from model.drafts import DraftBuffer
 from model.graphs import StepGraphs, bucket, device_context
 from model.outputs import CommandOutputs
+from model.phases import StepBudget
 from model.protocol import Command, Events, NewSlot
 from model.sampling.stats import TORCH_PASSES, VocabPasses
 from model.slots import SlotInfo, SlotTable
@@ -66,8 +69,11 @@ class Runner:
         self.causal = CausalSteps(self)
         self.renoise = None
         if self.family == "diffusion-gemma":
-            self.renoise = RenoiseCanvasStep(self, renoise_defaults or RenoiseDefaults(), cfg.hidden_size, dtype)
+            renoise_defaults = renoise_defaults or RenoiseDefaults()
+            self.renoise = RenoiseCanvasStep(self, renoise_defaults, cfg.hidden_size, dtype)
         self.canvas_step = self.renoise or MaskedCanvasStep(self)
+        # each slot's steps_limit, and the bound on its remaining steps reported with every command's events
+        self.budget = StepBudget(self.C, renoise_defaults.max_denoising_steps if self.renoise else None)
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = StepGraphs(self.device) if use_graphs else None
         # tests watch steps through this: observer(event, kind, idx, logits) before ("before", with the
@@ -104,6 +110,9 @@ class Runner:
             drafting = [s for s, i in sorted(self.slots.info.items()) if i.params.stream_drafts]
             events.blocks, events.counters = self.outputs.copy_out(self.slots, sorted(self.slots.info), scored,
                                                                    self.drafts, drafting, steps)
+            t = self.slots
+            events.steps_left = {s: self.budget.left(i.params, t.host_phase[s], t.host_n[s], t.host_emitted[s])
+                                 for s, i in self.slots.info.items()}
             return events
 
     def _admit(self, news: tuple[NewSlot, ...]) -> list[int]:
@@ -117,7 +126,7 @@ class Runner:
         if not news:
             return []
         knobs = [self.renoise.knobs(n.params) for n in news] if self.renoise else None
-        steps = [k["steps"] for k in knobs] if knobs else [n.params.steps_for(self.C) for n in news]
+        steps = [self.budget.canvas_steps(n.params) for n in news]
         gamma = [k["gamma"] for k in knobs] if knobs else [n.params.reveal_entropy_bound for n in news]
         slots = [n.slot for n in news]
         self.slots.admit(slots, [n.params for n in news], [n.seed for n in news], steps, gamma)

@@ -4,7 +4,8 @@ state, in slot-indexed device buffers.
 The device state is the truth. Phases, lengths, step counters, canvases and reveal-time scores change
 inside a multi-step command without the host reading them (the step kinds in model/steps update them
 with device ops only); the runner copies what the host needs once per command. The host keeps only
-what it admitted (`SlotInfo`) and the last copied lengths and phases.
+what it admitted (`SlotInfo`) and the last copied lengths, phases, denoising steps and emitted counts
+(what the scheduler's step bounds read, model/phases.py).
 """
 from __future__ import annotations
 
@@ -12,12 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from model.phases import IDLE
 from model.sampling.params import MAX_LOGPROBS, DecodeParams
 from model.sampling.reveal import POLICY_IDS
-
-# A slot's phase: what its next canvas-wide (or AR) step does.
-IDLE, DENOISE, COMMIT, DRAFT, VERIFY, AR, DONE = range(7)
-CAUSAL_PHASES = (COMMIT, VERIFY)
 
 
 class ScoreBuffer:
@@ -109,6 +107,8 @@ class SlotTable:
         # the host's copy of the device state, as of the end of the last command
         self.host_length = [0] * S
         self.host_phase = [IDLE] * S
+        self.host_n = [0] * S
+        self.host_emitted = [0] * S
 
     def admit(self, slots: list[int], params: list[DecodeParams], seeds: list[int], steps_limit: list[int],
               gamma: list[float]) -> None:
@@ -129,7 +129,7 @@ class SlotTable:
         for state in (self.phase, self.length, self.n, self.draws, self.emitted):
             state.index_fill_(0, idx, 0)
         for s in slots:
-            self.host_length[s], self.host_phase[s] = 0, IDLE
+            self.host_length[s], self.host_phase[s], self.host_n[s], self.host_emitted[s] = 0, IDLE, 0, 0
 
     def device_index(self, slots: list[int]) -> torch.Tensor:
         pinned = self.device.type == "cuda"

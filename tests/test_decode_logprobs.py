@@ -6,9 +6,9 @@ import torch
 
 from model.attention import KVCache, StepContext, step_context
 from model.loader import load_model
+from model.phases import COMMIT, DENOISE
 from model.protocol import Command, NewSlot
 from model.runner import Runner
-from model.slots import COMMIT, DENOISE
 from model.sampling import noise
 from model.sampling import reveal as rv
 from model.sampling.params import DecodeParams

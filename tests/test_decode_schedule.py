@@ -5,9 +5,9 @@ import random
 import pytest
 from pydantic import ValidationError
 
+from model.phases import DENOISE
 from model.protocol import StepCounters
 from model.sampling.params import DecodeParams
-from model.slots import DENOISE
 from workers.engine import Engine
 
 MASK, EOS, C = 100, 2, 32

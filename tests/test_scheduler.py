@@ -318,3 +318,29 @@ def test_request_latencies_follow_its_blocks():
     lat = request.latencies
     assert request.finished and len(lat["inter_block_s"]) == 2 and all(x >= 0.009 for x in lat["inter_block_s"])
     assert 0.009 <= lat["ttft_s"] <= lat["e2e_s"]
+
+
+def test_commands_sized_by_the_slots_step_bounds():
+    """With a budget: a command runs until the slot that needs the most is surely done, capped at
+    max_steps_per_command; while requests wait, until the first slot could free; the runner's bounds
+    (events.steps_left) replace the scheduler's own countdown, less the steps handed out since."""
+    from model.phases import StepBudget
+
+    s = make(num_slots=2, max_queue=4, max_model_len=512, max_steps_per_command=40, budget=StepBudget(C))
+    s.add("short", [1], params(max_tokens=32, max_denoising_steps=4))    # 1 canvas: 4 + 1 steps
+    s.add("long", [1], params(max_tokens=64, max_denoising_steps=8))     # 2 canvases: 2 x (8 + 1)
+    assert s.schedule().max_steps == 18
+    s.apply(Events([Block(0, body(32), 4, 1)], 18, StepCounters(), steps_left={0: 0, 1: 0}))
+    s.add("ar", [1], params(max_tokens=3, mode="ar"))
+    s.add("third", [1], params(max_tokens=200))                           # waits: both slots taken
+    command = s.schedule()
+    assert [a.params.mode for a in command.admit] == ["ar"] and command.max_steps == 1  # "long": bound 0
+    s.apply(Events([Block(0, body(2))], 1, StepCounters(), steps_left={0: 1, 1: 3}))
+    assert s.schedule().max_steps == 1                 # the AR request may free its slot after 1 step
+    s.apply(Events([Block(0, body(1))], 1, StepCounters(), steps_left={0: 0, 1: 2}))
+    command = s.schedule()                             # "third" admitted (7 canvases x 33), nothing waits
+    assert len(command.admit) == 1 and command.max_steps == 40
+    # a command handed out before the last one's events: their bounds predate its steps
+    ahead = s.schedule()
+    s.apply(Events([], 40, StepCounters(), steps_left={0: 100, 1: 1}))
+    assert s._slots[0].steps_left == 100 - ahead.max_steps

@@ -19,6 +19,7 @@ import time
 from typing import AsyncIterator
 
 from model.config import load_model_config
+from model.phases import StepBudget
 from model.protocol import StepCounters
 from model.sampling.params import DecodeParams
 from workers.metrics import RequestMetrics
@@ -44,6 +45,7 @@ class Coordinator:
     def __init__(self, model_dir: str, shards, *, num_slots: int, max_model_len: int, max_queue: int,
                  max_steps_per_command: int, seed: int = 0, request_timeout_s: float = 600.0):
         self.config = load_model_config(model_dir)
+        self.budget = StepBudget.of_model(model_dir)   # what the shards' runners bound steps by
         self.shards = shards
         self.num_slots, self.max_model_len, self.max_queue = num_slots, max_model_len, max_queue
         self.max_steps_per_command, self.seed = max_steps_per_command, seed
@@ -64,7 +66,7 @@ class Coordinator:
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.num_slots, self.max_queue, self.config.eos_token_ids, self.max_model_len,
-                         self.config.canvas_length, self.max_steps_per_command, self.seed)
+                         self.config.canvas_length, self.max_steps_per_command, self.seed, self.budget)
 
     async def start(self) -> None:
         """Starts the shards (once; a request arriving during a start or a rebuild waits for it) and

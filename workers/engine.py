@@ -9,6 +9,7 @@ import itertools
 import time
 from typing import Sequence
 
+from model.phases import StepBudget
 from model.sampling.params import DecodeParams
 from workers.request import Request, RequestOutput
 from workers.scheduler import Scheduler
@@ -27,7 +28,7 @@ class Engine:
         cfg = self.shards.config
         self.config = cfg
         self.scheduler = Scheduler(num_slots, max_queue, cfg.eos_token_ids, max_model_len, cfg.canvas_length,
-                                   max_steps_per_command, seed)
+                                   max_steps_per_command, seed, StepBudget.of_model(model_dir))
         self._ids = itertools.count()
 
     def add(self, prompt: Sequence[int], params: DecodeParams, request_id: str | None = None) -> Request:

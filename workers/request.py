@@ -61,6 +61,7 @@ class Request:
     denoising_steps: int = 0
     canvases: int = 0
     last_draft: CanvasDraft | None = None
+    steps_left: int | None = None            # bound on the steps its slot can still run (model/phases.py)
 
     @property
     def latencies(self) -> dict[str, float | list[float] | None]:

@@ -1,7 +1,10 @@
 """Admission, slots and the end of requests: pure python (no torch, no ray).
 
 The coordinator's step: `command = scheduler.schedule(); events = shards.execute(command);
-scheduler.apply(events)`. Events must be applied in the order their commands were scheduled, but
+scheduler.apply(events)`. A command runs at most max_steps_per_command steps, fewer when its slots
+surely need fewer (their steps_left bounds, model/phases.py): no longer than the slot that needs the
+most, and, while requests wait for a slot, no longer than the slot that needs the fewest. Events must
+be applied in the order their commands were scheduled, but
 schedule() may run ahead of apply() (the next command prepared while the current one runs): a slot's
 blocks from commands scheduled before its current request was admitted belong to the slot's previous
 occupant and are ignored, like blocks for slots that no request holds.
@@ -13,6 +16,7 @@ import random
 from collections import deque
 from typing import Sequence
 
+from model.phases import StepBudget
 from model.protocol import Command, Events, NewSlot, StepCounters
 from model.sampling.params import DecodeParams
 from workers.request import Request, RequestOutput
@@ -24,7 +28,10 @@ class QueueFull(Exception):
 
 class Scheduler:
     def __init__(self, num_slots: int, max_queue: int, eos_token_ids: Sequence[int], max_model_len: int,
-                 canvas_length: int, max_steps_per_command: int = 8, seed: int = 0):
+                 canvas_length: int, max_steps_per_command: int = 8, seed: int = 0,
+                 budget: StepBudget | None = None):
+        """budget: the runner's step bounds for admitted requests; None sizes every command at
+        max_steps_per_command until the runner's events report bounds."""
         for name, value, least in (("num_slots", num_slots, 1), ("max_queue", max_queue, 0),
                                    ("max_model_len", max_model_len, 1), ("canvas_length", canvas_length, 1),
                                    ("max_steps_per_command", max_steps_per_command, 1)):
@@ -36,6 +43,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.canvas_length = canvas_length
         self.max_steps_per_command = max_steps_per_command
+        self.budget = budget
         self.counters = StepCounters()   # totals since start (SPEC.md section 8)
         self._rng = random.Random(seed)
         self._slots: list[Request | None] = [None] * num_slots
@@ -45,6 +53,7 @@ class Scheduler:
         self._release: list[int] = []          # slots to free in the next command
         self._scheduled = 0                    # commands handed out
         self._applied = 0                      # events applied
+        self._in_flight: deque[int] = deque()  # steps of the commands handed out and not yet applied
 
     @property
     def num_running(self) -> int:
@@ -106,15 +115,28 @@ class Scheduler:
         for slot in free[: len(self._waiting)]:
             request = self._waiting.popleft()
             request.slot = slot
+            request.steps_left = self.budget.at_admission(request.params) if self.budget else None
             self._slots[slot], self._admitted_by[slot] = request, self._scheduled
             admit.append(NewSlot(slot, request.prompt, request.params, request.seed))
-        running = self.num_running
+        running = [r for r in self._slots if r is not None]
         if not (running or admit or self._release):
             return None
         release, self._release = tuple(self._release), []
         self._scheduled += 1
         # With nothing left running, the command only frees slots: no forward to run.
-        return Command(release, tuple(admit), self.max_steps_per_command if running else 0)
+        steps = self._command_steps(running) if running else 0
+        for request in running:
+            if request.steps_left is not None:
+                request.steps_left = max(request.steps_left - steps, 0)
+        self._in_flight.append(steps)
+        return Command(release, tuple(admit), steps)
+
+    def _command_steps(self, running: list[Request]) -> int:
+        bounds = [r.steps_left for r in running]
+        if None in bounds:
+            return self.max_steps_per_command
+        target = min(bounds) if self._waiting else max(bounds)
+        return max(1, min(self.max_steps_per_command, target))
 
     def apply(self, events: Events) -> list[RequestOutput]:
         """Appends each block to its slot's request, truncated at a stop id or max_tokens (see
@@ -122,7 +144,13 @@ class Scheduler:
         assert self._applied < self._scheduled, "events for a command that was never scheduled"
         command = self._applied
         self._applied += 1
+        self._in_flight.popleft()
+        later = sum(self._in_flight)   # steps handed out after this command: its bounds predate them
         self.counters.add(events.counters)
+        for slot, bound in events.steps_left.items():
+            request = self._slots[slot]
+            if request is not None and self._admitted_by[slot] <= command:
+                request.steps_left = max(bound - later, 0)
         outputs = []
         slots = set()
         for block in events.blocks:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from model.slots import AR, DENOISE, DONE, DRAFT, SlotInfo
+from model.phases import AR, DENOISE, DONE, DRAFT
+from model.slots import SlotInfo
 from model.steps.plan import RowPlan
 
 

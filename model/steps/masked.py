@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from model.phases import COMMIT, DENOISE, DONE, DRAFT, VERIFY
 from model.sampling.reveal import reveal
-from model.slots import COMMIT, DENOISE, DONE, DRAFT, VERIFY, Scores
+from model.slots import Scores
 from model.steps.plan import RowPlan
 
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 
 from model.config import RenoiseDefaults
+from model.phases import COMMIT, DENOISE, DONE
 from model.sampling import renoise as RN
 from model.sampling.params import DecodeParams
 from model.sampling.stats import value_at
-from model.slots import COMMIT, DENOISE, DONE
 from model.steps.masked import contains_eos
 from model.steps.plan import RowPlan
 
@@ -45,8 +45,7 @@ class RenoiseCanvasStep:
         knobs = dict(t_min=pick(params.t_min, d.t_min), t_max=pick(params.t_max, d.t_max),
                      stability=pick(params.stability_threshold, d.stability_threshold),
                      confidence=pick(params.confidence_threshold, d.confidence_threshold),
-                     gamma=pick(params.entropy_bound, d.entropy_bound),
-                     steps=pick(params.max_denoising_steps, d.max_denoising_steps))
+                     gamma=pick(params.entropy_bound, d.entropy_bound))
         if knobs["t_max"] <= knobs["t_min"]:
             raise ValueError(f"t_max must be > t_min (got {knobs['t_max']} <= {knobs['t_min']})")
         return knobs
