@@ -97,11 +97,13 @@ def timed(runner: Runner, prompts, params) -> dict:
     return run_requests(runner, prompts, params)
 
 
-def profile_step(runner: Runner, prompt: list[int], params: DecodeParams, top: int = 30) -> list[dict]:
-    """The operators (with input shapes) taking the most CUDA time in one command of 4 steps, eager (so
-    each kernel is attributed to its operator); per step. An aten operator and the kernel it launched
-    are listed apart with the same time (triton kernels launched from python only as kernels), so the
-    list and its "all" total count most time twice."""
+def profile_step(runner: Runner, prompt: list[int], params: DecodeParams, top: int = 30) -> dict:
+    """Where one step's GPU time goes, from torch.profiler over one command of 4 steps, eager; per step.
+    "kernels": the kernels (device time, each counted once; "all" is the GPU's busy time). "ops": the
+    operators with their input shapes (an operator's time is its kernels'; a triton kernel launched
+    from python is attributed to whatever range is open, such as a compiled chain's, so ranges can
+    include other kernels)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     graphs, runner.graphs = runner.graphs, None
@@ -112,12 +114,19 @@ def profile_step(runner: Runner, prompt: list[int], params: DecodeParams, top: i
         torch.cuda.synchronize()
     runner.execute(Command(release=(0,), max_steps=0))
     runner.graphs = graphs
-    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0]
-    total = sum(e.self_device_time_total for e in ops)
-    ops.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    return [{"op": e.key[:60], "shapes": str(e.input_shapes)[:110], "calls": e.count // 4,
-             "cuda_ms": e.self_device_time_total / 1e3 / 4, "share": e.self_device_time_total / total}
-            for e in ops[:top]] + [{"op": "all", "cuda_ms": total / 1e3 / 4}]
+
+    def listing(events, shapes: bool) -> list[dict]:
+        events = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+        total = sum(e.self_device_time_total for e in events)
+        return [{"name": e.key[:70], **({"shapes": str(e.input_shapes)[:110]} if shapes else {}),
+                 "calls": e.count // 4, "cuda_ms": e.self_device_time_total / 1e3 / 4,
+                 "share": e.self_device_time_total / total} for e in events[:top]] + \
+            [{"name": "all", "cuda_ms": total / 1e3 / 4}]
+
+    # "## ..." entries are annotations of ranges (a compiled chain's call) on the GPU timeline, not kernels
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and not e.key.startswith("## ")]
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.device_type == DeviceType.CPU]
+    return {"kernels": listing(kernels, False), "ops": listing(ops, True)}
 
 
 def free_cuda() -> None:

@@ -33,11 +33,24 @@ from model import batch_invariant
 from model.attention import cached_attention, get_step_context
 from model.batch_invariant import linear, row_sum, softmax
 from model.config import FULL, SLIDING, DiffusionGemmaConfig, LayerRope
-from model.fused import (add_gemma_rms_norm, gelu_mul, gemma_feedforward_inputs, gemma_feedforward_out,
-                         gemma_qkv, gemma_rms_norm)
+from model.fused import (
+    add_gemma_rms_norm,
+    gelu_mul,
+    gemma_feedforward_inputs,
+    gemma_feedforward_out,
+    gemma_qkv,
+    gemma_rms_norm,
+)
 from model.parallel.group import TPGroup
-from model.parallel.linear import (MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_into,
-                                   divide, new_param, read_slice)
+from model.parallel.linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_into,
+    divide,
+    new_param,
+    read_slice,
+)
 from model.sampling.renoise import self_condition_embedding
 
 
@@ -208,8 +221,9 @@ class GemmaExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] -> this rank's partial output [T, H]. (token, expert) pairs are
         sorted by expert and run as one grouped matmul per projection: no host sync, no per-expert loop.
-        Each token's k outputs are put back in slot order and combined by a weighted sum (not scattered
-        with index_add_, whose atomics race and on an H200 took 2 ms of a 26 ms step)."""
+        Each token's k outputs are combined by a weighted sum in slot order (not scattered with index_add_,
+        whose atomics race and on an H200 took 2 ms of a 26 ms step): on CUDA one kernel that reads them
+        where they lie (model.kernels.expert_combine), elsewhere a copy back to token order and a bmm."""
         k = ids.shape[-1]
         flat = ids.flatten()
         # a radix sort's passes follow the key's bits: ids as the narrowest integer holding them
@@ -219,7 +233,11 @@ class GemmaExperts(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).index_add_(
             0, flat, torch.ones_like(flat))
         ends = torch.cumsum(counts, 0).to(torch.int32)
-        y = _grouped_linear(gelu_mul(_grouped_linear(x[token], self.gate_up_proj, ends)), self.down_proj, ends)
+        y = _grouped_linear(gelu_mul(_grouped_linear(x, self.gate_up_proj, ends, rows=token)), self.down_proj, ends)
+        if y.is_cuda and y.dtype != torch.float64:   # gather, weigh and sum in one kernel (in slot order)
+            from model.kernels.expert_combine import combine
+
+            return combine(y, order, weights).to(x.dtype)
         pairs = torch.empty_like(y).index_copy_(0, order, y).view(-1, k, y.shape[-1])   # [T, k, H]
         if batch_invariant.enabled():  # slot by slot, in slot order
             return batch_invariant.sum_in_order((pairs * weights[..., None]).transpose(0, 1)).to(x.dtype)
@@ -236,11 +254,15 @@ def _narrowest_int(n: int) -> torch.dtype:
 FEW_ROWS_PER_EXPERT = 32
 
 
-def _grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Rows of x [N, in] sorted by group, group g = rows [ends[g-1], ends[g]) -> x_g @ w[g]^T ([E, out, in])."""
-    few = x.shape[0] <= FEW_ROWS_PER_EXPERT * w.shape[0]
-    if x.is_cuda and x.dtype != torch.float64 and (batch_invariant.enabled() or few):
-        return batch_invariant.grouped_matmul(x, w, ends)
+def _grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, rows: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """Rows of x [N, in] sorted by group, group g = rows [ends[g-1], ends[g]) -> x_g @ w[g]^T ([E, out, in]);
+    with `rows`, the sorted rows are x[rows] (the triton kernel reads them in place)."""
+    n = x.shape[0] if rows is None else rows.shape[0]
+    if x.is_cuda and x.dtype != torch.float64 and (batch_invariant.enabled() or n <= FEW_ROWS_PER_EXPERT * w.shape[0]):
+        return batch_invariant.grouped_matmul(x, w, ends, rows)
+    if rows is not None:
+        x = x[rows]
     if _grouped_mm_takes(x):
         return F.grouped_mm(x, w.transpose(1, 2), offs=ends)
     # every row with its own group's weight: dtypes grouped_mm lacks (fp32 on CUDA, the tests' float64);

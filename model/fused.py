@@ -4,7 +4,7 @@ one function that runs as one fused kernel on CUDA.
 At small batch a forward costs its weight reads plus one kernel per elementwise op: unfused, a layer's
 norms, rotary embedding and gated activation are tens of kernels of a few microseconds each, about as
 long as the reads themselves. On CUDA each function below is compiled by torch.compile (inductor) into
-one kernel; elsewhere it runs as written, and what is written is the reference (transformers' order
+one kernel (rotary and gemma_qkv: hand-written triton kernels, see there); elsewhere it runs as written, and what is written is the reference (transformers' order
 of operations and roundings). Shapes are dynamic: one compilation per function serves every batch.
 In batch-invariant mode (model.batch_invariant) a norm's sum of squares is an opaque row kernel
 inside the compiled chain (inductor would pick its reduction layout by shape); the rest stays fused.
@@ -76,10 +76,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return h, _rms(h, weight, eps)
 
 
-@fused
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            q_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE of q and k, then the Llama-4 query scale (after RoPE)."""
+    """RoPE of q and k, then the Llama-4 query scale (after RoPE). On CUDA one triton kernel
+    (model.kernels.qk_norm_rope, as gemma_qkv); elsewhere the reference below."""
+    d = q.shape[-1]
+    if q.is_cuda and q.dtype != torch.float64 and d & (d - 1) == 0:
+        from model.kernels.qk_norm_rope import qk_rope
+
+        return qk_rope(q, k, cos, sin, q_scale)
+    return _rotary_qk(q, k, cos, sin, q_scale)
+
+
+def _rotary_qk(q, k, cos, sin, q_scale):
     q = _rotary(q, cos, sin)
     if q_scale is not None:
         q = q * q_scale
@@ -109,10 +118,20 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> 
     return _gemma_rms(x, weight, eps)
 
 
-@fused
 def gemma_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
               eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-head RMS norms of q, k (scaled) and v (unscaled), and RoPE of q and k."""
+    """Per-head RMS norms of q, k (scaled) and v (unscaled), and RoPE of q and k. On CUDA one triton
+    kernel (model.kernels.qk_norm_rope: inductor's chains over these strided per-head rows took longer
+    than their bytes need); elsewhere the reference below."""
+    d = q.shape[-1]
+    if q.is_cuda and q.dtype != torch.float64 and d & (d - 1) == 0:
+        from model.kernels.qk_norm_rope import qkv_norm_rope
+
+        return qkv_norm_rope(q, k, v, q_weight, k_weight, eps, cos, sin)
+    return _gemma_qkv(q, k, v, q_weight, k_weight, eps, cos, sin)
+
+
+def _gemma_qkv(q, k, v, q_weight, k_weight, eps, cos, sin):
     q = _rotary(_gemma_rms(q, q_weight, eps), cos, sin)
     k = _rotary(_gemma_rms(k, k_weight, eps), cos, sin)
     return q, k, _gemma_rms(v, None, eps)

@@ -39,6 +39,9 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
     assert ((y.double() - ref).abs().max() / ref.abs().max()) < tol
     alone = torch.tensor([0, 0, 1, 1, 1, 1], dtype=torch.int32)   # row 20 (expert 2's 18th) alone
     assert torch.equal(K.grouped_matmul(x[20:21], w, alone), y[20:21])
+    source = torch.randn(11, D, dtype=dtype)                       # rows gathered in the kernel
+    rows = torch.randint(0, 11, (len(x),))
+    assert torch.equal(K.grouped_matmul(source, w, ends, rows), K.grouped_matmul(source[rows], w, ends))
     h = torch.randn(33, 5000, dtype=dtype)
     s = K.row_sum(h, square=True)
     assert s.dtype == torch.float32 and torch.allclose(s.double(), h.double().pow(2).sum(-1), rtol=1e-5)

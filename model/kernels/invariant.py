@@ -112,20 +112,23 @@ def matmul(x: torch.Tensor, w: torch.Tensor, tiles: Tiles = MATMUL_TILES) -> tor
 
 
 @triton.jit
-def _grouped_kernel(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, ends_ptr, N, E,
+def _grouped_kernel(x_ptr, rows_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, ends_ptr, N, E,
                     sxm, swe, swn, swk, som, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                    GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     t, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + t)
     if e < E:  # tiles past the last expert's are spare (the grid is sized for the worst case)
         row_end = tl.load(ends_ptr + e)
         rm = tl.load(tile_row_ptr + t) + tl.arange(0, BM)
+        src = rm
+        if GATHER:   # row i of the sorted problem is row rows[i] of x
+            src = tl.load(rows_ptr + rm, mask=rm < row_end, other=0)
         rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + rk
-            a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < row_end) & (kk[None, :] < K),
+            a = tl.load(x_ptr + src[:, None] * sxm + kk[None, :], mask=(rm[:, None] < row_end) & (kk[None, :] < K),
                         other=0.0)
             b = tl.load(w_ptr + e * swe + rn[None, :] * swn + kk[:, None] * swk,
                         mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
@@ -136,11 +139,13 @@ def _grouped_kernel(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, ends_p
                  mask=(rm[:, None] < row_end) & (rn[None, :] < N))
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, tiles: Tiles = GROUPED_TILES) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, rows: torch.Tensor | None = None,
+                   tiles: Tiles = GROUPED_TILES) -> torch.Tensor:
     """Rows of x [P, K] sorted by group, group g = rows [ends[g-1], ends[g]) -> x_g @ w[g]^T ([E, N, K]).
+    With `rows` [P], the sorted problem's row i is x[rows[i]] (read in place: no gathered copy of x).
     The tile map (which expert, which first row) is made on the device: no sync, a grid of fixed size."""
     x = x.contiguous()
-    p, k = x.shape
+    p, k = (x.shape[0] if rows is None else rows.shape[0]), x.shape[1]
     e, n, _ = w.shape
     ends = ends.to(torch.int64)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
@@ -153,9 +158,9 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, tiles: 
     row = (ends - counts)[owner] + (t - (tile_end - per_expert)[owner]) * tiles.m
     out = torch.empty(p, n, dtype=x.dtype, device=x.device)
     _grouped_kernel[(max_tiles, triton.cdiv(n, tiles.n))](
-        x, w, out, expert, row, ends, n, e, x.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), K=k,
-        BM=tiles.m, BN=tiles.n, BK=tiles.k, PRECISION=_precision(x.dtype), INTERPRETED=INTERPRETED,
-        num_warps=tiles.warps, num_stages=tiles.stages)
+        x, x if rows is None else rows, w, out, expert, row, ends, n, e, x.stride(0), w.stride(0), w.stride(1),
+        w.stride(2), out.stride(0), K=k, BM=tiles.m, BN=tiles.n, BK=tiles.k, GATHER=rows is not None,
+        PRECISION=_precision(x.dtype), INTERPRETED=INTERPRETED, num_warps=tiles.warps, num_stages=tiles.stages)
     return out
 
 

@@ -1,0 +1,107 @@
+"""The per-head chains between the qkv projection and attention, one triton kernel per layer:
+
+    Gemma-4      q' = rope(rms(q) * w_q),   k' = rope(rms(k) * w_k),   v' = rms(v)    (qkv_norm_rope)
+    Ministral-3  q' = rope(q) * s(pos),     k' = rope(k)                                (qk_rope)
+
+per (token, head) row.
+rms(x) = x (mean(x^2) + eps)^-1/2 in fp32, rounded to the model dtype before RoPE (transformers'
+order); RoPE and the query scale in fp32 and rounded once, as inductor's fused chains did. One program
+per (token, head): each row's sum of squares is its own, so the result never depends on the batch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+
+@triton.jit
+def _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, scale, out_ptr, eps, HALF: tl.constexpr, NORM: tl.constexpr,
+                   HAS_WEIGHT: tl.constexpr, ROPE: tl.constexpr):
+    d = tl.arange(0, HALF)
+    y1 = tl.load(x_ptr + d).to(tl.float32)
+    y2 = tl.load(x_ptr + HALF + d).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if NORM:
+        mean_square = (tl.sum(y1 * y1, 0) + tl.sum(y2 * y2, 0)) / (2 * HALF)
+        r = 1.0 / tl.sqrt(mean_square + eps)
+        y1, y2 = y1 * r, y2 * r
+        if HAS_WEIGHT:
+            y1 = y1 * tl.load(w_ptr + d).to(tl.float32)
+            y2 = y2 * tl.load(w_ptr + HALF + d).to(tl.float32)
+        if ROPE:   # the norm's output dtype
+            y1, y2 = y1.to(dtype).to(tl.float32), y2.to(dtype).to(tl.float32)
+    if ROPE:
+        c1 = tl.load(cos_ptr + d).to(tl.float32)
+        c2 = tl.load(cos_ptr + HALF + d).to(tl.float32)
+        s1 = tl.load(sin_ptr + d).to(tl.float32)
+        s2 = tl.load(sin_ptr + HALF + d).to(tl.float32)
+        y1, y2 = y1 * c1 - y2 * s1, y2 * c2 + y1 * s2                       # x cos + rotate_half(x) sin
+    y1, y2 = y1 * scale, y2 * scale
+    tl.store(out_ptr + d, y1.to(dtype))
+    tl.store(out_ptr + HALF + d, y2.to(dtype))
+
+
+@triton.jit
+def _qkv_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_scale_ptr, qo_ptr, ko_ptr, vo_ptr,
+                HQ, HKV, sq_tok, sk_tok, sv_tok, sc_tok, eps, HALF: tl.constexpr, NORM: tl.constexpr,
+                Q_SCALE: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    D = 2 * HALF
+    cos, sin = cos_ptr + tok * sc_tok, sin_ptr + tok * sc_tok
+    if h < HQ:
+        scale = tl.load(q_scale_ptr + tok).to(tl.float32) if Q_SCALE else 1.0
+        _norm_rope_row(q_ptr + tok * sq_tok + h * D, qw_ptr, cos, sin, scale, qo_ptr + (tok * HQ + h) * D, eps,
+                       HALF, NORM, NORM, True)
+    elif h < HQ + HKV:
+        j = h - HQ
+        _norm_rope_row(k_ptr + tok * sk_tok + j * D, kw_ptr, cos, sin, 1.0, ko_ptr + (tok * HKV + j) * D, eps,
+                       HALF, NORM, NORM, True)
+    else:   # only with NORM: v's norm, unscaled, no RoPE
+        j = h - HQ - HKV
+        _norm_rope_row(v_ptr + tok * sv_tok + j * D, kw_ptr, cos, sin, 1.0, vo_ptr + (tok * HKV + j) * D, eps,
+                       HALF, True, False, False)
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """[B, L, H, D] with heads packed (a split of the qkv projection) -> [B * L, H * D] strided view."""
+    b, n, h, d = x.shape
+    assert x.stride(3) == 1 and x.stride(2) == d and x.stride(0) == n * x.stride(1), "heads must be packed"
+    return x.as_strided((b * n, h * d), (x.stride(1), 1))
+
+
+def qkv_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                  k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gemma-4: q [B, L, Hq, D], k and v [B, L, Hkv, D] (v may be k: K = V), cos/sin [B, L, 1, D] -> new
+    contiguous q', k', v' in q's dtype."""
+    b, n, hq, d = q.shape
+    hkv = k.shape[2]
+    qo, ko, vo = (torch.empty(b, n, t.shape[2], d, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    _launch(q, k, v, q_weight, k_weight, eps, cos, sin, None, qo, ko, vo, norm=True)
+    return qo, ko, vo
+
+
+def qk_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            q_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ministral-3: RoPE of q [B, L, Hq, D] and k [B, L, Hkv, D], then q times the Llama-4 query scale
+    q_scale [B, L, 1, 1] (None: 1) -> new contiguous q', k'."""
+    b, n, hq, d = q.shape
+    qo, ko = (torch.empty(b, n, t.shape[2], d, dtype=t.dtype, device=t.device) for t in (q, k))
+    _launch(q, k, k, None, None, 0.0, cos, sin, q_scale, qo, ko, ko, norm=False)
+    return qo, ko
+
+
+def _launch(q, k, v, q_weight, k_weight, eps, cos, sin, q_scale, qo, ko, vo, norm: bool) -> None:
+    b, n, hq, d = q.shape
+    hkv = k.shape[2]
+    rows = [_token_rows(t) for t in (q, k, v)]
+    trig = [t.reshape(b * n, d) for t in (cos, sin)]
+    scale = q if q_scale is None else q_scale.reshape(b * n)       # q: a pointer never read
+    weights = (q, q) if q_weight is None else (q_weight, k_weight)
+    _qkv_kernel[(b * n, hq + (2 if norm else 1) * hkv)](
+        *rows, *weights, *trig, scale, qo, ko, vo, hq, hkv, rows[0].stride(0), rows[1].stride(0),
+        rows[2].stride(0), trig[0].stride(0), eps, HALF=d // 2, NORM=norm, Q_SCALE=q_scale is not None,
+        num_warps=1 if d <= 256 else 2)

@@ -1,0 +1,92 @@
+"""The layer kernels against the torch references they replace on CUDA, run by triton's CPU interpreter
+(and natively in a gpu test): the per-head q/k/v chains after the qkv projection (DiffusionGemma's
+norms and RoPE, Ministral-3's RoPE and query scale: model/kernels/qk_norm_rope.py) and DiffusionGemma's
+weighted combine of expert outputs (model/kernels/expert_combine.py)."""
+import pytest
+import torch
+
+from tests.interpreter import run_interpreted
+
+CHECK = r"""
+import torch
+from model.fused import _gemma_qkv, _rotary_qk
+from model.kernels.expert_combine import combine
+from model.kernels.qk_norm_rope import qk_rope, qkv_norm_rope
+
+def rope(b, n, d, gen, dtype):
+    pos = torch.randint(0, 4000, (b, n), generator=gen).float()
+    freqs = pos[..., None] / (10000 ** (torch.arange(0, d, 2) / d))
+    emb = torch.cat((freqs, freqs), -1)
+    return emb.cos().to(dtype).unsqueeze(-2), emb.sin().to(dtype).unsqueeze(-2)
+
+def qkv_case(b, n, hq, hkv, d, with_v, dtype, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    width = (hq + (2 if with_v else 1) * hkv) * d
+    qkv = (torch.randn(b, n, width, generator=gen) * 3).to(dtype)
+    q, k, *v = qkv.split([hq * d, hkv * d] + ([hkv * d] if with_v else []), -1)
+    q, k = q.view(b, n, hq, d), k.view(b, n, hkv, d)
+    v = v[0].view(b, n, hkv, d) if v else k
+    wq, wk = (torch.rand(d, generator=gen) + 0.5).to(dtype), (torch.rand(d, generator=gen) + 0.5).to(dtype)
+    cos, sin = rope(b, n, d, gen, dtype)
+    ref = _gemma_qkv(*(t.float() for t in (q, k, v, wq, wk)), 1e-6, cos.float(), sin.float())
+    ours = qkv_norm_rope(*(t.to(device) for t in (q, k, v, wq, wk)), 1e-6, cos.to(device), sin.to(device))
+    return ref, [o.cpu() for o in ours]
+
+def rope_case(b, n, hq, hkv, d, scaled, dtype, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(b, n, (hq + 2 * hkv) * d, generator=gen) * 3).to(dtype)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    q, k = q.view(b, n, hq, d), k.view(b, n, hkv, d)
+    cos, sin = rope(b, n, d, gen, dtype)
+    scale = (1 + torch.rand(b, n, 1, 1, generator=gen)).to(dtype) if scaled else None
+    ref = _rotary_qk(q.float(), k.float(), cos.float(), sin.float(), None if scale is None else scale.float())
+    ours = qk_rope(q.to(device), k.to(device), cos.to(device), sin.to(device),
+                   None if scale is None else scale.to(device))
+    return ref, [o.cpu() for o in ours]
+
+def combine_case(t, k, e, h, dtype, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=gen)
+    order = torch.argsort(ids.flatten(), stable=True)
+    y = (torch.randn(t * k, h, generator=gen)).to(dtype)
+    pairs = torch.empty_like(y).index_copy_(0, order, y).view(t, k, h).float()
+    ref = sum((pairs[:, j] * weights[:, j, None] for j in range(1, k)), pairs[:, 0] * weights[:, 0, None])
+    ours = combine(y.to(device), order.to(device), weights.to(device)).cpu()
+    return ref, ours
+
+def run(device, dtypes):
+    for dtype, tol in dtypes:
+        for (b, n, hq, hkv, d, with_v) in ((1, 5, 4, 2, 32, True), (2, 3, 4, 1, 64, False)):
+            ref, ours = qkv_case(b, n, hq, hkv, d, with_v, dtype, seed=d, device=device)
+            for r, o, name in zip(ref, ours, "qkv"):
+                assert o.dtype == dtype and o.is_contiguous(), name
+                err = ((o.float() - r).abs() / (r.abs() + 1)).max().item()
+                assert err <= tol, (name, dtype, d, err)
+        for (b, n, hq, hkv, d, scaled) in ((1, 5, 4, 2, 32, True), (2, 3, 4, 1, 16, False)):
+            ref, ours = rope_case(b, n, hq, hkv, d, scaled, dtype, seed=d, device=device)
+            for r, o, name in zip(ref, ours, "qk"):
+                assert o.dtype == dtype and o.is_contiguous(), name
+                err = ((o.float() - r).abs() / (r.abs() + 1)).max().item()
+                assert err <= tol, ("rope " + name, dtype, d, err)
+        for (t, k, e, h) in ((7, 3, 5, 40), (4, 8, 16, 1100)):
+            ref, ours = combine_case(t, k, e, h, dtype, seed=h, device=device)
+            assert ours.dtype == dtype
+            err = ((ours.float() - ref).abs() / (ref.abs() + 1)).max().item()
+            assert err <= tol, ("combine", dtype, h, err)
+    print("kernels equal the reference")
+"""
+
+
+def test_kernels_equal_torch_reference_interpreted():
+    """fp32 to 1e-5; bf16 within two roundings of the fp32 result (DiffusionGemma's q and k round after
+    the norm, as transformers does, and again at the end)."""
+    run_interpreted(CHECK + "run('cpu', [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -6)])",
+                    "kernels equal the reference", timeout=200)
+
+
+@pytest.mark.gpu
+def test_kernels_equal_torch_reference_on_cuda():
+    namespace = {}
+    exec(CHECK, namespace)
+    namespace["run"]("cuda", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -6)])
