@@ -25,7 +25,6 @@ import triton.language as tl
 from model.kernels.launch import INTERPRETED, sm_count
 
 
-
 class Tiles(NamedTuple):
     """A kernel's tile shape and launch. Fixed per kernel in the mode: a row's sums depend on BK only,
     but which MMA instructions a tile compiles to depends on all of it."""

@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, scale, out_ptr, eps, HALF: tl.constexpr, NORM: tl.constexpr,
                    HAS_WEIGHT: tl.constexpr, ROPE: tl.constexpr):
@@ -78,7 +77,6 @@ def qkv_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: t
     """Gemma-4: q [B, L, Hq, D], k and v [B, L, Hkv, D] (v may be k: K = V), cos/sin [B, L, 1, D] -> new
     contiguous q', k', v' in q's dtype."""
     b, n, hq, d = q.shape
-    hkv = k.shape[2]
     qo, ko, vo = (torch.empty(b, n, t.shape[2], d, dtype=t.dtype, device=t.device) for t in (q, k, v))
     _launch(q, k, v, q_weight, k_weight, eps, cos, sin, None, qo, ko, vo, norm=True)
     return qo, ko, vo
