@@ -5,7 +5,8 @@ At small batch a forward costs its weight reads plus one kernel per elementwise 
 norms, rotary embedding and gated activation are tens of kernels of a few microseconds each, about as
 long as the reads themselves. On CUDA each function below is compiled by torch.compile (inductor) into
 one kernel (rotary and gemma_qkv: hand-written triton kernels, see there); elsewhere it runs as
-written, and what is written is the reference (transformers' order of operations and roundings). Shapes are dynamic: one compilation per function serves every batch.
+written, and what is written is the reference (transformers' order of operations and roundings).
+Shapes are dynamic: one compilation per function serves every batch.
 In batch-invariant mode (model.batch_invariant) a norm's sum of squares is an opaque row kernel
 inside the compiled chain (inductor would pick its reduction layout by shape); the rest stays fused.
 """
