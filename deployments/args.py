@@ -23,8 +23,9 @@ class AppArgs(BaseModel):
     max_num_seqs: int = Field(8, ge=1, description="slots per replica")
     max_model_len: int = Field(2048, ge=1)
     max_queue: int = Field(64, ge=0, description="requests waiting for a slot before 429")
-    # A command runs this many steps on the shards without a host read; a request that finishes
-    # mid-command waits for its end (latency), a shorter command costs more round trips (throughput).
+    # A command runs at most this many steps on the shards without a host read (fewer when every
+    # running request surely finishes sooner: model/phases.py); a request that finishes mid-command
+    # waits for its end (latency), a shorter command costs more round trips (throughput).
     max_steps_per_command: int = Field(8, ge=1, le=256)
     batch_invariant: bool = Field(False, description="a request's tokens and logprobs the same bits alone or in any "
                                   "batch (CUDA; fixed-order kernels, slower: see the README's speed table)")

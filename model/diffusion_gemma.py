@@ -25,6 +25,8 @@ together.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -187,6 +189,10 @@ class GemmaRouter(nn.Module):
         """normed [T, H]: norm(x) * scale / sqrt(H) of the residual x (fused with the layer's other norms:
         model.fused.gemma_feedforward_inputs) -> weights [T, k] fp32, expert ids [T, k]."""
         scores = self.proj(normed)
+        if scores.is_cuda and scores.dtype != torch.float64:   # one kernel (model.kernels.routing)
+            from model.kernels.routing import route
+
+            return route(scores, self.per_expert_scale, self.top_k)
         probs = softmax(scores, torch.promote_types(scores.dtype, torch.float32))
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / row_sum(weights).unsqueeze(-1)
@@ -223,25 +229,44 @@ class GemmaExperts(nn.Module):
         sorted by expert and run as one grouped matmul per projection: no host sync, no per-expert loop.
         Each token's k outputs are combined by a weighted sum in slot order (not scattered with index_add_,
         whose atomics race and on an H200 took 2 ms of a 26 ms step): on CUDA one kernel that reads them
-        where they lie (model.kernels.expert_combine), elsewhere a copy back to token order and a bmm."""
+        where they lie (model.kernels.expert_combine), elsewhere a gather back to pair order and a bmm."""
         k = ids.shape[-1]
-        flat = ids.flatten()
-        # a radix sort's passes follow the key's bits: ids as the narrowest integer holding them
-        order = torch.argsort(flat.to(_narrowest_int(self.num_experts)), stable=True)
-        token = order // k
-        # tokens per expert without bincount, whose output size depends on the data (a host sync)
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).index_add_(
-            0, flat, torch.ones_like(flat))
-        ends = torch.cumsum(counts, 0).to(torch.int32)
-        y = _grouped_linear(gelu_mul(_grouped_linear(x, self.gate_up_proj, ends, rows=token)), self.down_proj, ends)
-        if y.is_cuda and y.dtype != torch.float64:   # gather, weigh and sum in one kernel (in slot order)
+        pairs = sort_pairs(ids, self.num_experts)
+        y = _grouped_linear(gelu_mul(_grouped_linear(x, self.gate_up_proj, pairs, gather=True)), self.down_proj, pairs)
+        if y.is_cuda and y.dtype != torch.float64:
             from model.kernels.expert_combine import combine
 
-            return combine(y, order, weights).to(x.dtype)
-        pairs = torch.empty_like(y).index_copy_(0, order, y).view(-1, k, y.shape[-1])   # [T, k, H]
+            return combine(y, pairs.slot, weights).to(x.dtype)
+        grouped = y[pairs.slot].view(-1, k, y.shape[-1])   # [T, k, H], each token's pairs in slot order
         if batch_invariant.enabled():  # slot by slot, in slot order
-            return batch_invariant.sum_in_order((pairs * weights[..., None]).transpose(0, 1)).to(x.dtype)
-        return torch.bmm(weights.unsqueeze(1).to(pairs.dtype), pairs).squeeze(1).to(x.dtype)
+            return batch_invariant.sum_in_order((grouped * weights[..., None]).transpose(0, 1)).to(x.dtype)
+        return torch.bmm(weights.unsqueeze(1).to(grouped.dtype), grouped).squeeze(1).to(x.dtype)
+
+
+class SortedPairs(NamedTuple):
+    """The (token, expert) pairs t * k + j sorted by expert (stably: within an expert, in pair order)."""
+    token: torch.Tensor           # [P]: the token of the i-th sorted pair
+    slot: torch.Tensor            # [P]: where pair t * k + j was sorted to
+    ends: torch.Tensor            # [E] int32: cumulative pairs per expert
+    tile_map: tuple[torch.Tensor, torch.Tensor] | None   # the triton grouped kernel's (CUDA), else None
+
+
+def sort_pairs(ids: torch.Tensor, num_experts: int) -> SortedPairs:
+    """On CUDA three launches of model.kernels.routing (with the grouped kernel's tile map); elsewhere a
+    stable argsort, the reference."""
+    if ids.is_cuda:
+        from model.kernels import invariant, routing
+
+        token, slot, ends, *tile_map = routing.sort_pairs(ids, num_experts, invariant.GROUPED_TILES.m)
+        return SortedPairs(token, slot, ends, tuple(tile_map))
+    k, flat = ids.shape[-1], ids.flatten()
+    # a radix sort's passes follow the key's bits: ids as the narrowest integer holding them
+    order = torch.argsort(flat.to(_narrowest_int(num_experts)), stable=True)
+    slot = torch.empty_like(order).index_copy_(0, order, torch.arange(len(order), device=order.device))
+    # tokens per expert without bincount, whose output size depends on the data (a host sync)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(
+        0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+    return SortedPairs(order // k, slot, torch.cumsum(counts, 0).to(torch.int32), None)
 
 
 def _narrowest_int(n: int) -> torch.dtype:
@@ -254,20 +279,20 @@ def _narrowest_int(n: int) -> torch.dtype:
 FEW_ROWS_PER_EXPERT = 32
 
 
-def _grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, rows: torch.Tensor | None = None
-                    ) -> torch.Tensor:
-    """Rows of x [N, in] sorted by group, group g = rows [ends[g-1], ends[g]) -> x_g @ w[g]^T ([E, out, in]);
-    with `rows`, the sorted rows are x[rows] (the triton kernel reads them in place)."""
-    n = x.shape[0] if rows is None else rows.shape[0]
+def _grouped_linear(x: torch.Tensor, w: torch.Tensor, pairs: SortedPairs, gather: bool = False) -> torch.Tensor:
+    """The sorted pairs' rows (x's rows in pair order; `gather`: x [T, in] is per token, row i of the
+    problem is x[pairs.token[i]]) times their expert's weight: -> [P, out] (w [E, out, in])."""
+    rows = pairs.token if gather else None
+    n = pairs.token.shape[0]
     if x.is_cuda and x.dtype != torch.float64 and (batch_invariant.enabled() or n <= FEW_ROWS_PER_EXPERT * w.shape[0]):
-        return batch_invariant.grouped_matmul(x, w, ends, rows)
-    if rows is not None:
+        return batch_invariant.grouped_matmul(x, w, pairs.ends, rows, pairs.tile_map)
+    if gather:
         x = x[rows]
     if _grouped_mm_takes(x):
-        return F.grouped_mm(x, w.transpose(1, 2), offs=ends)
+        return F.grouped_mm(x, w.transpose(1, 2), offs=pairs.ends)
     # every row with its own group's weight: dtypes grouped_mm lacks (fp32 on CUDA, the tests' float64);
     # no host sync, but N weight copies, so only for the small models those run
-    group = torch.searchsorted(ends, torch.arange(x.shape[0], device=x.device, dtype=ends.dtype), right=True)
+    group = torch.searchsorted(pairs.ends, torch.arange(n, device=x.device, dtype=pairs.ends.dtype), right=True)
     return torch.einsum("ni,noi->no", x, w[group])
 
 

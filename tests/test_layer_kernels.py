@@ -1,7 +1,7 @@
 """The layer kernels against the torch references they replace on CUDA, run by triton's CPU interpreter
 (and natively in a gpu test): the per-head q/k/v chains after the qkv projection (DiffusionGemma's
 norms and RoPE, Ministral-3's RoPE and query scale: model/kernels/qk_norm_rope.py) and DiffusionGemma's
-weighted combine of expert outputs (model/kernels/expert_combine.py)."""
+routing (model/kernels/routing.py) and weighted combine of expert outputs (model/kernels/expert_combine.py)."""
 import pytest
 import torch
 
@@ -10,6 +10,8 @@ from tests.interpreter import run_interpreted
 CHECK = r"""
 import torch
 from model.fused import _gemma_qkv, _rotary_qk
+from model.diffusion_gemma import sort_pairs
+from model.kernels import routing
 from model.kernels.expert_combine import combine
 from model.kernels.qk_norm_rope import qk_rope, qkv_norm_rope
 
@@ -48,12 +50,44 @@ def combine_case(t, k, e, h, dtype, seed, device):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
     weights = torch.rand(t, k, generator=gen)
-    order = torch.argsort(ids.flatten(), stable=True)
+    pairs = sort_pairs(ids, e)
     y = (torch.randn(t * k, h, generator=gen)).to(dtype)
-    pairs = torch.empty_like(y).index_copy_(0, order, y).view(t, k, h).float()
-    ref = sum((pairs[:, j] * weights[:, j, None] for j in range(1, k)), pairs[:, 0] * weights[:, 0, None])
-    ours = combine(y.to(device), order.to(device), weights.to(device)).cpu()
+    grouped = y[pairs.slot].view(t, k, h).float()
+    ref = sum((grouped[:, j] * weights[:, j, None] for j in range(1, k)), grouped[:, 0] * weights[:, 0, None])
+    ours = combine(y.to(device), pairs.slot.to(device), weights.to(device)).cpu()
     return ref, ours
+
+def routing_case(t, k, e, block_m, seed, device):
+    # route against softmax/top-k/renorm/scale; sort_pairs against the stable argsort (exactly) and the
+    # tile map the grouped kernel makes itself (model.kernels.invariant)
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(t, e, generator=gen) * 2
+    scale = torch.rand(e, generator=gen) + 0.5
+    weights, ids = routing.route(scores.to(device), scale.to(device), k)
+    probs = torch.softmax(scores, -1)
+    top, top_ids = torch.topk(probs, k, -1)
+    assert torch.equal(ids.cpu().long(), top_ids)
+    expected = top / top.sum(-1, keepdim=True) * scale[top_ids]
+    assert torch.allclose(weights.cpu(), expected, rtol=1e-5, atol=1e-7), (weights, expected)
+    # skewed routing: some experts empty, one with many pairs (several tiles)
+    ids = torch.where(torch.rand(t, k, generator=gen) < 0.4, 3, torch.randint(0, e // 2, (t, k), generator=gen))
+    ids = torch.stack([torch.unique(torch.cat([r, torch.randperm(e, generator=gen)]), sorted=False)[:k]
+                       if len(set(r.tolist())) < k else r for r in ids])
+    ref = sort_pairs(ids, e)
+    token, slot, ends, tile_expert, tile_row = routing.sort_pairs(ids.to(device).int(), e, block_m)
+    assert torch.equal(token.cpu(), ref.token) and torch.equal(slot.cpu(), ref.slot)
+    assert torch.equal(ends.cpu(), ref.ends)
+    ends64 = ref.ends.long()
+    counts = torch.diff(ends64, prepend=ends64.new_zeros(1))
+    per = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(per, 0)
+    tiles = torch.arange(-(-t * k // block_m) + e)
+    expert = torch.searchsorted(tile_end, tiles, right=True)
+    owner = expert.clamp(max=e - 1)
+    row = (ends64 - counts)[owner] + (tiles - (tile_end - per)[owner]) * block_m
+    real = expert < e
+    assert torch.equal(tile_expert.cpu().long(), expert)
+    assert torch.equal(tile_row.cpu().long()[real], row[real])
 
 def run(device, dtypes):
     for dtype, tol in dtypes:
@@ -74,6 +108,8 @@ def run(device, dtypes):
             assert ours.dtype == dtype
             err = ((ours.float() - ref).abs() / (ref.abs() + 1)).max().item()
             assert err <= tol, ("combine", dtype, h, err)
+    for (t, k, e, block_m) in ((5, 2, 8, 4), (300, 8, 128, 64)):
+        routing_case(t, k, e, block_m, seed=t, device=device)
     print("kernels equal the reference")
 """
 

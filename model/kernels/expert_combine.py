@@ -32,13 +32,12 @@ def _combine_kernel(y_ptr, slot_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK: 
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=keep)
 
 
-def combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """y [T * k, H] in the order `order` (sorted position -> pair t * k + j), weights [T, k] -> [T, H]
-    in y's dtype."""
+def combine(y: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [T * k, H] of the sorted pairs, slot [T * k] (pair t * k + j -> its row of y), weights [T, k] ->
+    [T, H] in y's dtype."""
     t, k = weights.shape
     h = y.shape[-1]
     y = y.contiguous()
-    slot = torch.empty_like(order).index_copy_(0, order, torch.arange(len(order), device=order.device))
     out = torch.empty(t, h, dtype=y.dtype, device=y.device)
     _combine_kernel[(t, triton.cdiv(h, BLOCK))](y, slot, weights.contiguous(), out, h, K=k, BLOCK=BLOCK,
                                                  INTERPRETED=INTERPRETED, num_warps=4)

@@ -118,7 +118,7 @@ def _grouped_kernel(x_ptr, rows_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_p
     e = tl.load(tile_expert_ptr + t)
     if e < E:  # tiles past the last expert's are spare (the grid is sized for the worst case)
         row_end = tl.load(ends_ptr + e)
-        rm = tl.load(tile_row_ptr + t) + tl.arange(0, BM)
+        rm = tl.load(tile_row_ptr + t).to(tl.int64) + tl.arange(0, BM)
         src = rm
         if GATHER:   # row i of the sorted problem is row rows[i] of x
             src = tl.load(rows_ptr + rm, mask=rm < row_end, other=0)
@@ -139,22 +139,28 @@ def _grouped_kernel(x_ptr, rows_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_p
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, rows: torch.Tensor | None = None,
+                   tile_map: tuple[torch.Tensor, torch.Tensor] | None = None,
                    tiles: Tiles = GROUPED_TILES) -> torch.Tensor:
     """Rows of x [P, K] sorted by group, group g = rows [ends[g-1], ends[g]) -> x_g @ w[g]^T ([E, N, K]).
     With `rows` [P], the sorted problem's row i is x[rows[i]] (read in place: no gathered copy of x).
-    The tile map (which expert, which first row) is made on the device: no sync, a grid of fixed size."""
+    The tile map (which expert, which first row of each tiles.m-row tile; model.kernels.routing makes it
+    with the sort) is made here on the device when not given: no sync, a grid of fixed size."""
     x = x.contiguous()
     p, k = (x.shape[0] if rows is None else rows.shape[0]), x.shape[1]
     e, n, _ = w.shape
-    ends = ends.to(torch.int64)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    per_expert = (counts + tiles.m - 1) // tiles.m
-    tile_end = torch.cumsum(per_expert, 0)
     max_tiles = triton.cdiv(p, tiles.m) + e   # sum ceil(c / BM) <= P / BM + E
-    t = torch.arange(max_tiles, device=x.device)
-    expert = torch.searchsorted(tile_end, t, right=True)             # E for spare tiles
-    owner = expert.clamp(max=e - 1)
-    row = (ends - counts)[owner] + (t - (tile_end - per_expert)[owner]) * tiles.m
+    if tile_map is None:
+        ends = ends.to(torch.int64)
+        counts = torch.diff(ends, prepend=ends.new_zeros(1))
+        per_expert = (counts + tiles.m - 1) // tiles.m
+        tile_end = torch.cumsum(per_expert, 0)
+        t = torch.arange(max_tiles, device=x.device)
+        expert = torch.searchsorted(tile_end, t, right=True)             # E for spare tiles
+        owner = expert.clamp(max=e - 1)
+        row = (ends - counts)[owner] + (t - (tile_end - per_expert)[owner]) * tiles.m
+    else:
+        expert, row = tile_map
+        assert expert.shape[0] == max_tiles, "a tile map for another problem or tile height"
     out = torch.empty(p, n, dtype=x.dtype, device=x.device)
     _grouped_kernel[(max_tiles, triton.cdiv(n, tiles.n))](
         x, x if rows is None else rows, w, out, expert, row, ends, n, e, x.stride(0), w.stride(0), w.stride(1),

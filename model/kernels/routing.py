@@ -1,0 +1,141 @@
+"""DiffusionGemma's routing in triton: what torch does in about twenty small kernels a layer (softmax,
+top-k, renormalisation, a radix sort of the (token, expert) pairs, counts, their scan, the grouped
+kernel's tile map twice, the inverse permutation) in four launches.
+
+  route       per token: softmax of the router's scores in fp32, the k largest (ties: the lower id),
+              renormalised to sum 1, each times its expert's scale.
+  sort_pairs  the pairs t * k + j sorted by expert, stably (pairs of one expert in pair order, as a
+              stable argsort): chunk counts, one program's scan over chunks and experts (which also
+              writes the grouped kernel's tile map: expert and first row of each BM-row tile), then
+              each pair's place. Deterministic: no atomics.
+
+Each token's routing is its own: batch-invariant.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 128        # pairs per program when counting and placing
+SCAN_ROWS = 32     # chunks (or tiles) the scan program takes at a time
+
+
+@triton.jit
+def _route_kernel(scores_ptr, scale_ptr, weights_ptr, ids_ptr, E, s_tok, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(scores_ptr + t * s_tok + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    left = tl.where(e < E, p, -1.0)
+    j = tl.arange(0, BLOCK_K)
+    values = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    for i in tl.static_range(K):
+        best = tl.max(left, 0)
+        pick = tl.min(tl.where(left == best, e, BLOCK_E), 0)
+        values = tl.where(j == i, best, values)
+        ids = tl.where(j == i, pick, ids)
+        left = tl.where(e == pick, -1.0, left)
+    keep = j < K
+    weights = values / tl.sum(tl.where(keep, values, 0.0), 0)
+    weights = weights * tl.load(scale_ptr + ids, mask=keep, other=0.0).to(tl.float32)
+    tl.store(weights_ptr + t * K + j, weights, mask=keep)
+    tl.store(ids_ptr + t * K + j, ids, mask=keep)
+
+
+def route(scores: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [T, E] -> weights [T, k] fp32, ids [T, k] int32 (largest first)."""
+    t, e = scores.shape
+    weights = torch.empty(t, k, dtype=torch.float32, device=scores.device)
+    ids = torch.empty(t, k, dtype=torch.int32, device=scores.device)
+    _route_kernel[(t,)](scores, per_expert_scale, weights, ids, e, scores.stride(0), K=k,
+                        BLOCK_K=triton.next_power_of_2(k), BLOCK_E=triton.next_power_of_2(e), num_warps=1)
+    return weights, ids
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, P, E, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    c = tl.program_id(0)
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + i, mask=i < P, other=BLOCK_E)
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)
+    tl.store(counts_ptr + c * E + e, counts, mask=e < E)
+
+
+@triton.jit
+def _scan_kernel(counts_ptr, base_ptr, ends_ptr, tile_expert_ptr, tile_row_ptr, C, E, MT, BM: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_E: tl.constexpr, C_BOUND: tl.constexpr, MT_BOUND: tl.constexpr):
+    e = tl.arange(0, BLOCK_E)
+    r = tl.arange(0, ROWS)
+    total = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for c0 in range(0, C_BOUND, ROWS):   # each expert's count over all chunks
+        rows = c0 + r
+        block = tl.load(counts_ptr + rows[:, None] * E + e[None, :], mask=(rows[:, None] < C) & (e[None, :] < E),
+                        other=0)
+        total += tl.sum(block, 0)
+    ends = tl.cumsum(total, 0)
+    starts = ends - total
+    tl.store(ends_ptr + e, ends, mask=e < E)
+    before = starts   # pairs of each expert in the chunks already walked, plus those of lower experts
+    for c0 in range(0, C_BOUND, ROWS):
+        rows = c0 + r
+        inside = (rows[:, None] < C) & (e[None, :] < E)
+        block = tl.load(counts_ptr + rows[:, None] * E + e[None, :], mask=inside, other=0)
+        tl.store(base_ptr + rows[:, None] * E + e[None, :], before[None, :] + tl.cumsum(block, 0) - block,
+                 mask=inside)
+        before += tl.sum(block, 0)
+    # the tile map: tile t belongs to the expert whose tiles end after it (E: a spare tile)
+    per = (total + BM - 1) // BM
+    tile_end = tl.cumsum(per, 0)
+    first_tile = tile_end - per
+    for t0 in range(0, MT_BOUND, ROWS):
+        t = t0 + r
+        expert = tl.sum((tile_end[None, :] <= t[:, None]) & (e[None, :] < E), 1)
+        mine = e[None, :] == tl.minimum(expert, E - 1)[:, None]
+        row = tl.sum(tl.where(mine, starts[None, :] + (t[:, None] - first_tile[None, :]) * BM, 0), 1)
+        tl.store(tile_expert_ptr + t, expert, mask=t < MT)
+        tl.store(tile_row_ptr + t, row, mask=t < MT)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, base_ptr, token_ptr, slot_ptr, P, E, K, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    c = tl.program_id(0)
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + i, mask=i < P, other=BLOCK_E)
+    e = tl.arange(0, BLOCK_E)
+    onehot = (ids[:, None] == e[None, :]).to(tl.int32)
+    earlier = tl.cumsum(onehot, 0) - onehot          # this chunk's earlier pairs of the same expert
+    base = tl.load(base_ptr + c * E + e, mask=e < E, other=0)
+    place = tl.sum(onehot * (earlier + base[None, :]), 1)
+    tl.store(slot_ptr + i, place.to(tl.int64), mask=i < P)
+    tl.store(token_ptr + place, (i // K).to(tl.int64), mask=i < P)
+
+
+def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
+    """ids [T, k] -> (token [P]: the token of the i-th sorted pair, slot [P]: where pair t * k + j went,
+    ends [E] int32: cumulative pairs per expert, tile_expert and tile_row [MT] int32: the expert (E for a
+    spare tile) and first sorted row of each block_m-row tile, MT = ceil(P / block_m) + E)."""
+    t, k = ids.shape
+    p, e, dev = t * k, num_experts, ids.device
+    flat = ids.reshape(-1).contiguous()
+    chunks = triton.cdiv(p, CHUNK)
+    block_e = triton.next_power_of_2(e)
+    counts = torch.empty(chunks, e, dtype=torch.int32, device=dev)
+    base = torch.empty(chunks, e, dtype=torch.int32, device=dev)
+    ends = torch.empty(e, dtype=torch.int32, device=dev)
+    mt = triton.cdiv(p, block_m) + e
+    tile_expert = torch.empty(mt, dtype=torch.int32, device=dev)
+    tile_row = torch.empty(mt, dtype=torch.int32, device=dev)
+    token = torch.empty(p, dtype=torch.int64, device=dev)
+    slot = torch.empty(p, dtype=torch.int64, device=dev)
+    _count_kernel[(chunks,)](flat, counts, p, e, CHUNK=CHUNK, BLOCK_E=block_e, num_warps=4)
+    # loop bounds are compile-time (the interpreter needs them so), powers of two: few variants
+    _scan_kernel[(1,)](counts, base, ends, tile_expert, tile_row, chunks, e, mt, BM=block_m, ROWS=SCAN_ROWS,
+                       BLOCK_E=block_e, C_BOUND=triton.next_power_of_2(chunks), MT_BOUND=triton.next_power_of_2(mt),
+                       num_warps=4)
+    _place_kernel[(chunks,)](flat, base, token, slot, p, e, k, CHUNK=CHUNK, BLOCK_E=block_e, num_warps=4)
+    return token, slot, ends, tile_expert, tile_row
