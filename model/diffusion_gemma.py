@@ -331,7 +331,8 @@ class DiffusionGemmaDecoderLayer(nn.Module):
         weights, ids = self.router(x_router)
         dense = self.mlp.partial(x_dense)
         moe = self.experts(x_moe, weights, ids)
-        dense, moe = self.tp.all_reduce(torch.stack([dense, moe]))  # one collective for both partial sums
+        if self.tp.is_parallel:   # one collective for both partial sums (alone: no copy into a stack)
+            dense, moe = self.tp.all_reduce(torch.stack([dense, moe]))
         return gemma_feedforward_out(h, dense.view_as(h), moe.view_as(h), self.post_feedforward_layernorm_1.weight,
                                      self.post_feedforward_layernorm_2.weight, self.post_feedforward_layernorm.weight,
                                      layer_scalar, eps)
