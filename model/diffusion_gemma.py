@@ -35,24 +35,11 @@ from model import batch_invariant
 from model.attention import cached_attention, get_step_context
 from model.batch_invariant import linear, row_sum, softmax
 from model.config import FULL, SLIDING, DiffusionGemmaConfig, LayerRope
-from model.fused import (
-    add_gemma_rms_norm,
-    gelu_mul,
-    gemma_feedforward_inputs,
-    gemma_feedforward_out,
-    gemma_qkv,
-    gemma_rms_norm,
-)
+from model.fused import (add_gemma_rms_norm, gelu_mul, gemma_feedforward_inputs, gemma_feedforward_out,
+                         gemma_qkv, gemma_rms_norm)
 from model.parallel.group import TPGroup
-from model.parallel.linear import (
-    MergedColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    copy_into,
-    divide,
-    new_param,
-    read_slice,
-)
+from model.parallel.linear import (MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_into,
+                                   divide, new_param, read_slice)
 from model.sampling.renoise import self_condition_embedding
 
 

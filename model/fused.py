@@ -77,12 +77,17 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return h, _rms(h, weight, eps)
 
 
+def _per_head_kernel(q: torch.Tensor) -> bool:
+    """Whether model.kernels.qk_norm_rope takes these heads: CUDA, not fp64, a power-of-two head dim."""
+    d = q.shape[-1]
+    return q.is_cuda and q.dtype != torch.float64 and d & (d - 1) == 0
+
+
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            q_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE of q and k, then the Llama-4 query scale (after RoPE). On CUDA one triton kernel
     (model.kernels.qk_norm_rope, as gemma_qkv); elsewhere the reference below."""
-    d = q.shape[-1]
-    if q.is_cuda and q.dtype != torch.float64 and d & (d - 1) == 0:
+    if _per_head_kernel(q):
         from model.kernels.qk_norm_rope import qk_rope
 
         return qk_rope(q, k, cos, sin, q_scale)
@@ -124,8 +129,7 @@ def gemma_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch
     """Per-head RMS norms of q, k (scaled) and v (unscaled), and RoPE of q and k. On CUDA one triton
     kernel (model.kernels.qk_norm_rope: inductor's chains over these strided per-head rows took longer
     than their bytes need); elsewhere the reference below."""
-    d = q.shape[-1]
-    if q.is_cuda and q.dtype != torch.float64 and d & (d - 1) == 0:
+    if _per_head_kernel(q):
         from model.kernels.qk_norm_rope import qkv_norm_rope
 
         return qkv_norm_rope(q, k, v, q_weight, k_weight, eps, cos, sin)
