@@ -13,6 +13,7 @@ from model.fused import _gemma_qkv, _rotary_qk
 from model.diffusion_gemma import sort_pairs
 from model.kernels import routing
 from model.kernels.expert_combine import combine
+from model.kernels.invariant import make_tile_map
 from model.kernels.qk_norm_rope import qk_rope, qkv_norm_rope
 
 def rope(b, n, d, gen, dtype):
@@ -77,14 +78,7 @@ def routing_case(t, k, e, block_m, seed, device):
     token, slot, ends, tile_expert, tile_row = routing.sort_pairs(ids.to(device).int(), e, block_m)
     assert torch.equal(token.cpu(), ref.token) and torch.equal(slot.cpu(), ref.slot)
     assert torch.equal(ends.cpu(), ref.ends)
-    ends64 = ref.ends.long()
-    counts = torch.diff(ends64, prepend=ends64.new_zeros(1))
-    per = (counts + block_m - 1) // block_m
-    tile_end = torch.cumsum(per, 0)
-    tiles = torch.arange(-(-t * k // block_m) + e)
-    expert = torch.searchsorted(tile_end, tiles, right=True)
-    owner = expert.clamp(max=e - 1)
-    row = (ends64 - counts)[owner] + (tiles - (tile_end - per)[owner]) * block_m
+    expert, row = make_tile_map(ref.ends, -(-t * k // block_m) + e, block_m)
     real = expert < e
     assert torch.equal(tile_expert.cpu().long(), expert)
     assert torch.equal(tile_row.cpu().long()[real], row[real])

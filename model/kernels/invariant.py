@@ -138,6 +138,20 @@ def _grouped_kernel(x_ptr, rows_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_p
                  mask=(rm[:, None] < row_end) & (rn[None, :] < N))
 
 
+def make_tile_map(ends: torch.Tensor, num_tiles: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For groups ending at `ends` [E], the expert (E for a spare tile) and first row of each of
+    `num_tiles` block_m-row tiles, each group's rows in ceil(count / block_m) tiles, in group order."""
+    ends = ends.to(torch.int64)
+    e = ends.shape[0]
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    per_expert = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(per_expert, 0)
+    t = torch.arange(num_tiles, device=ends.device)
+    expert = torch.searchsorted(tile_end, t, right=True)
+    owner = expert.clamp(max=e - 1)
+    return expert, (ends - counts)[owner] + (t - (tile_end - per_expert)[owner]) * block_m
+
+
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, rows: torch.Tensor | None = None,
                    tile_map: tuple[torch.Tensor, torch.Tensor] | None = None,
                    tiles: Tiles = GROUPED_TILES) -> torch.Tensor:
@@ -149,18 +163,8 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, rows: t
     p, k = (x.shape[0] if rows is None else rows.shape[0]), x.shape[1]
     e, n, _ = w.shape
     max_tiles = triton.cdiv(p, tiles.m) + e   # sum ceil(c / BM) <= P / BM + E
-    if tile_map is None:
-        ends = ends.to(torch.int64)
-        counts = torch.diff(ends, prepend=ends.new_zeros(1))
-        per_expert = (counts + tiles.m - 1) // tiles.m
-        tile_end = torch.cumsum(per_expert, 0)
-        t = torch.arange(max_tiles, device=x.device)
-        expert = torch.searchsorted(tile_end, t, right=True)             # E for spare tiles
-        owner = expert.clamp(max=e - 1)
-        row = (ends - counts)[owner] + (t - (tile_end - per_expert)[owner]) * tiles.m
-    else:
-        expert, row = tile_map
-        assert expert.shape[0] == max_tiles, "a tile map for another problem or tile height"
+    expert, row = tile_map if tile_map is not None else make_tile_map(ends, max_tiles, tiles.m)
+    assert expert.shape[0] == max_tiles, "a tile map for another problem or tile height"
     out = torch.empty(p, n, dtype=x.dtype, device=x.device)
     _grouped_kernel[(max_tiles, triton.cdiv(n, tiles.n))](
         x, x if rows is None else rows, w, out, expert, row, ends, n, e, x.stride(0), w.stride(0), w.stride(1),
