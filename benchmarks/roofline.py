@@ -5,7 +5,8 @@ from ONE run on one GPU, dummy weights in bf16.
       DiffusionGemma 26B-A4B (canvas 256). The floor is the bytes one forward must read (every weight
       once; of an untied input embedding only its rows) over the copy bandwidth measured in this run.
   P2  served (HTTP -> Coordinator -> ShardWorker) denoising-step rate / the bare runner's, 8B, batch 1
-      (the median of 3 requests after a warm-up)
+      (the median of 3 requests after a warm-up); with the shards' busy time of each request (from the
+      coordinator's stats), which splits a gap into the runner's own time and the control plane's
   P3  our committed tok/s / transformers' DiffusionGemmaForBlockDiffusion.generate on the 26B-A4B shape,
       batch 1, canvas 256, 16 forced steps, 1024-token prompt, 256 and 768 new tokens
   P4  committed tok/s at 16 concurrent requests / at 1 (8B, canvas 32)
@@ -172,34 +173,39 @@ def nemotron(work: Path, bandwidth: float, result: dict, skip: set[str]) -> None
         result["P2"] = served["denoising_steps_per_s"] / one["denoising_steps_per_s"]
 
 
-def served_rate(model_dir: Path, prompt: list[int], params: DecodeParams) -> dict:
+def served_rate(model_dir: Path, prompt: list[int], params: DecodeParams, overlap: bool = True) -> dict:
     import openai
     from ray import serve
 
     from deployments.app import build_app
-    from tests.serve_harness import start_serve, stop_serve
+    from tests.serve_harness import start_serve, stats, stop_serve
 
     port = start_serve()
     try:
         serve.run(build_app({"model": str(model_dir), "served_model_name": "bench", "device": "cuda",
                              "dtype": "bfloat16", "load_format": "dummy", "max_num_seqs": 16,
-                             "max_model_len": 1024, "max_steps_per_command": STEPS_PER_COMMAND}),
+                             "max_model_len": 1024, "max_steps_per_command": STEPS_PER_COMMAND,
+                             "overlap_commands": overlap}),
                   name="bench", route_prefix="/")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600)
         body = dict(model="bench", prompt=prompt, max_tokens=params.max_tokens, temperature=0,
                     extra_body={"ignore_eos": True, "diffusion": {
                         "policy": "low_confidence", "max_denoising_steps": 32, "seed_first_position": False}})
         client.completions.create(**body)  # warm-up (shard start, graph captures)
-        walls = []
+        walls, busy = [], []
         for _ in range(SERVED_REPEATS):
+            before = stats("bench")["shard_busy_s"]
             t = time.perf_counter()
             r = client.completions.create(**body)
             walls.append(time.perf_counter() - t)
+            busy.append(stats("bench")["shard_busy_s"] - before)
         steps = r.usage.model_extra["diffusion"]["denoising_steps"]
     finally:
         stop_serve()
-    wall = sorted(walls)[len(walls) // 2]
-    return {"wall_s": wall, "walls_s": walls, "denoising_steps": steps, "denoising_steps_per_s": steps / wall}
+    median = sorted(range(len(walls)), key=walls.__getitem__)[len(walls) // 2]
+    wall = walls[median]
+    return {"wall_s": wall, "walls_s": walls, "shard_busy_s": busy, "control_plane_s": wall - busy[median],
+            "overlap_commands": overlap, "denoising_steps": steps, "denoising_steps_per_s": steps / wall}
 
 
 def diffusion_gemma(work: Path, bandwidth: float, result: dict, skip: set[str]) -> None:

@@ -343,7 +343,8 @@ def build_app(args: dict):
                        load_format=a.load_format, max_steps_per_command=a.max_steps_per_command,
                        batch_invariant=a.batch_invariant)
     engine_args = dict(num_slots=a.max_num_seqs, max_model_len=a.max_model_len, max_queue=a.max_queue,
-                       max_steps_per_command=a.max_steps_per_command, request_timeout_s=a.request_timeout_s)
+                       max_steps_per_command=a.max_steps_per_command, request_timeout_s=a.request_timeout_s,
+                       overlap_commands=a.overlap_commands)
     coordinator = CoordinatorDeployment.options(
         num_replicas=a.num_replicas, placement_group_bundles=placement_bundles(a.tensor_parallel_size, use_gpu),
         placement_group_strategy=a.placement_strategy, ray_actor_options={"num_cpus": 1},

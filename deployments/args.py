@@ -27,6 +27,9 @@ class AppArgs(BaseModel):
     # running request surely finishes sooner: model/phases.py); a request that finishes mid-command
     # waits for its end (latency), a shorter command costs more round trips (throughput).
     max_steps_per_command: int = Field(8, ge=1, le=256)
+    overlap_commands: bool = Field(True, description="keep the next command queued at the shards while one runs "
+                                   "(no idle round trip between commands; a request arriving then starts one "
+                                   "command later)")
     batch_invariant: bool = Field(False, description="a request's tokens and logprobs the same bits alone or in any "
                                   "batch (CUDA; fixed-order kernels, slower: see the README's speed table)")
     num_replicas: int = Field(1, ge=1)

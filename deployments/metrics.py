@@ -1,8 +1,8 @@
 """`GET /metrics`: Prometheus text for an operator's dashboard.
 
 From the coordinator's stats (one source per number): the step counters (SPEC.md section 8), queue
-and slot gauges, shard failures and restarts, requests by finish reason, and the per-request
-histograms of workers/metrics.py. From this ingress process: HTTP requests to the generation endpoints
+and slot gauges, shard failures, restarts and busy seconds, requests by finish reason, and the
+per-request histograms of workers/metrics.py. From this ingress process: HTTP requests to the generation endpoints
 by endpoint and status (`RequestCounts`), counted where the status is decided (the error handlers, the
 end of a JSON answer, the end of a stream).
 """
@@ -28,6 +28,12 @@ HISTOGRAMS = {  # stats key -> (metric name, help)
     "e2e_s": ("dllm_e2e_request_latency_seconds", "Time from admission to the queue to the finish"),
     "tokens_per_step": ("dllm_tokens_per_step", "Completion tokens per denoising step, per finished request"),
 }
+SHARD_COUNTERS = (  # stats key, metric name, help
+    ("shard_failures", "dllm_shard_failures", "Shard group failures recovered from"),
+    ("shard_restarts", "dllm_shard_restarts", "Shard group starts after the first (rebuilds after a failure)"),
+    ("shard_busy_s", "dllm_shard_busy_seconds", "Seconds the shards spent executing commands (rank 0's runner, "
+     "host clock): its rate is the share of time the model is working"),
+)
 # the generation endpoints whose requests are counted: path suffix -> label
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 
@@ -66,10 +72,9 @@ class _Snapshot:
             g = GaugeMetricFamily(f"dllm_{name}", doc, labels=["model"])
             g.add_metric(model, s[name])
             yield g
-        for name, doc in (("shard_failures", "Shard group failures recovered from"),
-                          ("shard_restarts", "Shard group starts after the first (rebuilds after a failure)")):
-            c = CounterMetricFamily(f"dllm_{name}", doc, labels=["model"])
-            c.add_metric(model, s[name])
+        for key, name, doc in SHARD_COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=["model"])
+            c.add_metric(model, s[key])
             yield c
         c = CounterMetricFamily("dllm_requests", "HTTP requests to the generation endpoints by endpoint and status",
                                 labels=["model", "endpoint", "status"])

@@ -75,3 +75,6 @@ class Events:
     counters: StepCounters = field(default_factory=StepCounters)
     # every occupied slot's bound on the steps it can still run (model/phases.py), as of the command's end
     steps_left: dict[int, int] = field(default_factory=dict)
+    # the runner's wall time for the command, from its call to the end of the copy-out (host clock):
+    # the coordinator's busy time of the shards, which shows what the control plane adds around them
+    execute_s: float = 0.0

@@ -16,6 +16,8 @@ model.batch_invariant's mode: a slot's results are then the same bits whatever s
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from model.attention import KVCache, LayeredKVCache, step_context
@@ -82,6 +84,12 @@ class Runner:
 
     # ---- commands -------------------------------------------------------------------------------
     def execute(self, cmd: Command) -> Events:
+        start = time.perf_counter()
+        events = self._execute(cmd)
+        events.execute_s = time.perf_counter() - start
+        return events
+
+    def _execute(self, cmd: Command) -> Events:
         with torch.inference_mode(), batch_invariant(self.batch_invariant):
             for slot in cmd.release:
                 self.slots.info.pop(slot, None)

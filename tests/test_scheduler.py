@@ -344,3 +344,30 @@ def test_commands_sized_by_the_slots_step_bounds():
     ahead = s.schedule()
     s.apply(Events([], 40, StepCounters(), steps_left={0: 100, 1: 1}))
     assert s._slots[0].steps_left == 100 - ahead.max_steps
+
+
+def test_commands_scheduled_ahead_run_only_what_outlasts_the_commands_in_flight():
+    """schedule(ahead=True) (a command queued behind those in flight): None when no request can run
+    after them, and none while a slot frees with them and requests wait (the waiting request is
+    admitted right after instead); a free slot takes a waiting request at once."""
+    from model.phases import StepBudget
+
+    s = make(num_slots=2, max_queue=4, max_model_len=512, max_steps_per_command=8, budget=StepBudget(C))
+    s.add("a", [1], params(max_tokens=32, max_denoising_steps=4))     # 1 canvas: 4 + 1 steps
+    s.add("b", [1], params(max_tokens=64, max_denoising_steps=9))     # 2 canvases: 2 x (9 + 1)
+    assert s.schedule().max_steps == 8                     # a: bound 0 after it, b: 12
+    s.add("c", [1], params(max_tokens=32))                 # waits for a slot: a's frees in flight
+    assert s.schedule(ahead=True) is None
+    s.apply(Events([Block(0, body(32), 4, 1)], 8, StepCounters(), steps_left={0: 0, 1: 12}))
+    command = s.schedule()                                 # a finished: c takes its slot at once
+    assert command.release == (0,) and [n.slot for n in command.admit] == [0]
+
+    s = make(num_slots=2, max_queue=4, max_model_len=512, max_steps_per_command=8, budget=StepBudget(C))
+    s.add("b", [1], params(max_tokens=64, max_denoising_steps=9))
+    assert s.schedule().max_steps == 8
+    assert s.schedule(ahead=True).max_steps == 8
+    assert s.schedule(ahead=True).max_steps == 4
+    assert s.schedule(ahead=True) is None                  # b's 20 steps are all in flight
+    s.add("d", [1], params(max_tokens=32))                 # a free slot: queued ahead, admitted there
+    command = s.schedule(ahead=True)
+    assert [n.slot for n in command.admit] == [1] and command.max_steps == 8

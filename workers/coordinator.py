@@ -3,7 +3,10 @@
     command = scheduler.schedule(); events = await shards.execute(command); scheduler.apply(events)
 
 The loop runs as an asyncio task on the replica's event loop and never blocks it (shard calls are
-awaited). `generate` streams a request's blocks as they commit; a caller that goes away (client
+awaited). With `overlap_commands` it keeps a second command queued at the shards behind the running
+one (scheduler.schedule(ahead=True)), so the shards start it as soon as the first ends instead of
+idling through the round trip (events back, apply, schedule, command out); the price is that a
+request arriving while both are in flight starts after the second. `generate` streams a request's blocks as they commit; a caller that goes away (client
 disconnect, stop string) cancels the stream and the slot is freed at the next step boundary. When a
 shard fails, every in-flight request ends with an error saying so, the shard group is rebuilt, and
 later requests are served; if it cannot be rebuilt, the health check fails and Serve replaces the
@@ -16,6 +19,7 @@ import contextvars
 import itertools
 import logging
 import time
+from collections import deque
 from typing import AsyncIterator
 
 from model.config import load_model_config
@@ -43,13 +47,16 @@ class Coordinator:
     side). `shards` is anything with async start/execute/ping/stop (RayShards in production)."""
 
     def __init__(self, model_dir: str, shards, *, num_slots: int, max_model_len: int, max_queue: int,
-                 max_steps_per_command: int, seed: int = 0, request_timeout_s: float = 600.0):
+                 max_steps_per_command: int, seed: int = 0, request_timeout_s: float = 600.0,
+                 overlap_commands: bool = True):
         self.config = load_model_config(model_dir)
         self.budget = StepBudget.of_model(model_dir)   # what the shards' runners bound steps by
         self.shards = shards
         self.num_slots, self.max_model_len, self.max_queue = num_slots, max_model_len, max_queue
         self.max_steps_per_command, self.seed = max_steps_per_command, seed
         self.request_timeout_s = request_timeout_s
+        self.commands_in_flight = 2 if overlap_commands else 1
+        self.shard_busy_s = 0.0   # the runners' execute time (rank 0), summed over commands
         self.scheduler = self._new_scheduler()
         self.streams: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
@@ -132,17 +139,35 @@ class Coordinator:
 
     # ---- the step loop --------------------------------------------------------------------------
     async def _run(self) -> None:
+        in_flight: deque[asyncio.Task] = deque()   # shard calls, in the order their commands were made
         while True:
-            command = self.scheduler.schedule()
-            if command is None:
+            while len(in_flight) < self.commands_in_flight:
+                command = self.scheduler.schedule(ahead=bool(in_flight))
+                if command is None:
+                    break
+                # a task starts its shard call before the loop's next await: calls reach the shards in order
+                in_flight.append(asyncio.ensure_future(self.shards.execute(command)))
+            if not in_flight:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if len(in_flight) < self.commands_in_flight:   # a request arriving now can be queued behind
+                self._wake.clear()
+                wake = asyncio.ensure_future(self._wake.wait())
+                await asyncio.wait((in_flight[0], wake), return_when=asyncio.FIRST_COMPLETED)
+                wake.cancel()
+                if not in_flight[0].done():
+                    continue
             try:
-                events = await self.shards.execute(command)
+                events = await in_flight.popleft()
             except ShardFailure as err:
+                for call in in_flight:
+                    call.cancel()
+                await asyncio.gather(*in_flight, return_exceptions=True)
+                in_flight.clear()
                 await self._recover(err)
                 continue
+            self.shard_busy_s += events.execute_s
             for out in self.scheduler.apply(events):
                 self.metrics.observe(out)
                 queue = self.streams.get(out.request_id)
@@ -186,5 +211,5 @@ class Coordinator:
         return {"running": s.num_running, "waiting": s.num_waiting, "free_slots": s.free_slots,
                 "num_slots": self.num_slots, "shard_failures": self.failures,
                 "shard_restarts": max(self.shard_starts - 1, 0), **self.metrics.snapshot(),
-                "shard_pids": list(getattr(self.shards, "pids", [])),
+                "shard_pids": list(getattr(self.shards, "pids", [])), "shard_busy_s": self.shard_busy_s,
                 "counters": vars(counters).copy(), "derived": derived_metrics(counters, wall)}

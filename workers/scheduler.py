@@ -5,9 +5,12 @@ scheduler.apply(events)`. A command runs at most max_steps_per_command steps, fe
 surely need fewer (their steps_left bounds, model/phases.py): no longer than the slot that needs the
 most, and, while requests wait for a slot, no longer than the slot that needs the fewest. Events must
 be applied in the order their commands were scheduled, but
-schedule() may run ahead of apply() (the next command prepared while the current one runs): a slot's
-blocks from commands scheduled before its current request was admitted belong to the slot's previous
-occupant and are ignored, like blocks for slots that no request holds.
+schedule() may run ahead of apply() (the coordinator keeps the next command queued at the shards while
+the current one runs, so they never wait for a round trip): a slot's blocks from commands scheduled
+before its current request was admitted belong to the slot's previous occupant and are ignored, like
+blocks for slots that no request holds. A command scheduled ahead (`schedule(ahead=True)`) only runs
+requests whose bounds say they can still run after the commands in flight, and is not made when a
+slot frees with those commands while requests wait (admitting them right after is sooner).
 """
 from __future__ import annotations
 
@@ -108,8 +111,11 @@ class Scheduler:
             self._vacate(request.slot)
         return request.finish("abort")
 
-    def schedule(self) -> Command | None:
-        """The next command: pending releases, then waiting requests into the lowest free slots."""
+    def schedule(self, ahead: bool = False) -> Command | None:
+        """The next command: pending releases, then waiting requests into the lowest free slots. With
+        `ahead` (commands are in flight), None unless it has a forward worth queueing behind them."""
+        if ahead and not self._worth_queueing():
+            return None
         admit = []
         free = [s for s, r in enumerate(self._slots) if r is None]
         for slot in free[: len(self._waiting)]:
@@ -130,6 +136,16 @@ class Scheduler:
                 request.steps_left = max(request.steps_left - steps, 0)
         self._in_flight.append(steps)
         return Command(release, tuple(admit), steps)
+
+    def _worth_queueing(self) -> bool:
+        """A queued command is worth it if it admits, or if a request outlasts the commands in flight
+        (then, with nothing waiting, the largest bound sizes it; with requests waiting, no bound is 0)."""
+        occupied = [r for r in self._slots if r is not None]
+        if self._waiting and len(occupied) < self.num_slots:
+            return True
+        if self._waiting and any(r.steps_left == 0 for r in occupied):
+            return False
+        return any(r.steps_left is None or r.steps_left > 0 for r in occupied)
 
     def _command_steps(self, running: list[Request]) -> int:
         bounds = [r.steps_left for r in running]

@@ -1,0 +1,99 @@
+"""The coordinator's step loop without Ray: its shards are one real tiny runner behind a one-thread
+executor, so calls queue and run in order as they do at a Ray actor. The HTTP suites run the same loop
+through Serve; here we can see what they cannot: how many commands are in flight, and a failure while
+a second command waits behind the first."""
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from model.sampling.params import DecodeParams
+from workers.coordinator import Coordinator, RequestError
+from workers.shard_group import InProcessShards, ShardFailure
+
+SLOTS = 2
+
+
+class QueuedShards:
+    """start/execute/ping/stop over an in-process runner; `fail_at`: the call number that fails."""
+
+    def __init__(self, model_dir: str, fail_at: int | None = None):
+        self.model_dir, self.fail_at = model_dir, fail_at
+        self.calls = self.in_flight = self.most_in_flight = 0
+        self.pids: list[int] = []
+
+    async def start(self) -> None:
+        self.inner = InProcessShards(self.model_dir, num_slots=SLOTS, max_model_len=512, max_steps_per_command=4)
+        self.pool = ThreadPoolExecutor(1)
+
+    async def execute(self, cmd):
+        self.calls += 1
+        call = self.calls
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            events = await asyncio.get_running_loop().run_in_executor(self.pool, self.inner.execute, cmd)
+            if call == self.fail_at:
+                raise ShardFailure("a shard failed: injected")
+            return events
+        finally:
+            self.in_flight -= 1
+
+    async def ping(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def coordinator(model_dir, shards, overlap: bool) -> Coordinator:
+    return Coordinator(str(model_dir), shards, num_slots=SLOTS, max_model_len=512, max_queue=8,
+                       max_steps_per_command=4, overlap_commands=overlap, request_timeout_s=120)
+
+
+async def tokens_of(c: Coordinator, prompt, params) -> list[int]:
+    out = []
+    async for item in c.generate(prompt, params):
+        out += item.new_tokens
+    return out
+
+
+REQUESTS = [([1, 5, 9], 32), ([1, 7], 64), ([1, 3, 4, 8], 96), ([1, 6], 40)]   # 4 requests, 2 slots: some wait
+
+
+def params(max_tokens: int) -> DecodeParams:
+    return DecodeParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, max_denoising_steps=3)
+
+
+async def serve_all(model_dir, overlap: bool):
+    shards = QueuedShards(model_dir)
+    c = coordinator(model_dir, shards, overlap)
+    outs = await asyncio.wait_for(asyncio.gather(*[tokens_of(c, p, params(n)) for p, n in REQUESTS]), 120)
+    c._loop_task.cancel()
+    return outs, shards, c
+
+
+def test_overlapped_commands_give_the_same_tokens_and_keep_a_command_queued(tiny_nemotron):
+    queued, shards, c = asyncio.run(serve_all(tiny_nemotron, overlap=True))
+    serial, serial_shards, _ = asyncio.run(serve_all(tiny_nemotron, overlap=False))
+    assert [len(t) for t in queued] == [n for _, n in REQUESTS]
+    assert queued == serial
+    assert shards.most_in_flight == 2 and serial_shards.most_in_flight == 1
+    assert c.shard_busy_s > 0 and c.stats()["shard_busy_s"] == c.shard_busy_s
+
+
+def test_a_failure_with_a_command_queued_behind_it_ends_the_requests_and_recovers(tiny_nemotron):
+    async def scenario():
+        shards = QueuedShards(tiny_nemotron, fail_at=2)   # command 3 is queued when command 2 fails
+        c = coordinator(tiny_nemotron, shards, overlap=True)
+        results = await asyncio.wait_for(asyncio.gather(
+            *[tokens_of(c, p, params(128)) for p, _ in REQUESTS[:2]], return_exceptions=True), 60)
+        assert shards.calls == 3
+        loop = c._loop_task
+        await asyncio.sleep(0.2)
+        assert not loop.done()    # the step loop itself survived the failure and the cancelled call
+        after = await asyncio.wait_for(tokens_of(c, [1, 5, 9], params(32)), 60)
+        c._loop_task.cancel()
+        return results, after, c
+
+    results, after, c = asyncio.run(scenario())
+    assert all(isinstance(r, RequestError) and r.kind == "shard_failure" for r in results), results
+    assert len(after) == 32 and c.failures == 1 and c.shard_starts == 2
