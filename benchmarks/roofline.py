@@ -92,6 +92,7 @@ def run_requests(runner: Runner, prompts: list[list[int]], params: DecodeParams)
     tokens = sum(len(r.output) for r in requests)
     return {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall, "denoising_steps": denoising,
             "denoising_steps_per_s": denoising / wall, "steps": sum(steps), "commands": steps,
+            "command_walls_s": walls,
             "steady_step_s": sum(walls[1:]) / max(sum(steps[1:]), 1)}
 
 
