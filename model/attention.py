@@ -198,18 +198,42 @@ def get_step_context() -> StepContext:
     return ctx
 
 
+@dataclass
+class KVRows:
+    """Where one layer's keys and values of this step go: row `index[t]` of `k` and `v` ([cache rows,
+    Hkv, D] views of the layer's cache) for token t of the step's [B * L]."""
+    k: torch.Tensor
+    v: torch.Tensor
+    index: torch.Tensor
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [B, L, Hkv, D]."""
+        hkv, d = k.shape[-2:]
+        self.k.index_copy_(0, self.index, k.reshape(-1, hkv, d))
+        self.v.index_copy_(0, self.index, v.reshape(-1, hkv, d))
+
+
+def kv_rows(layer: int) -> KVRows:
+    """This step's KVRows for `layer` (a ring layer writes position p at p mod ring)."""
+    ctx = get_step_context()
+    cache_k, cache_v = ctx.kv.k[layer], ctx.kv.v[layer]
+    ring = ctx.ring is not None and ctx.kv.rings[layer]
+    hkv, d = cache_k.shape[-2:]
+    return KVRows(cache_k.view(-1, hkv, d), cache_v.view(-1, hkv, d),
+                  ctx.ring.write_index if ring else ctx.write_index)
+
+
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
-                     sliding: bool = False) -> torch.Tensor:
+                     sliding: bool = False, stored: bool = False) -> torch.Tensor:
     """q: [B, L, Hq, D]; k, v: [B, L, Hkv, D] -> [B, L, Hq, D]. `sliding`: a sliding-window layer (its
-    window mask; its ring when the cache has rings)."""
+    window mask; its ring when the cache has rings). `stored`: k and v are in the cache already (the
+    per-head kernel that made them wrote them there, through kv_rows)."""
     ctx = get_step_context()
     cache_k, cache_v = ctx.kv.k[layer], ctx.kv.v[layer]
     assert not sliding or ctx.window_mask is not None, "a sliding layer needs StepContext.build(..., window=W)"
     ring = ctx.ring if ctx.ring is not None and ctx.kv.rings[layer] else None
-    hkv, d = k.shape[-2:]
-    write = ring.write_index if ring is not None else ctx.write_index
-    cache_k.view(-1, hkv, d).index_copy_(0, write, k.reshape(-1, hkv, d))
-    cache_v.view(-1, hkv, d).index_copy_(0, write, v.reshape(-1, hkv, d))
+    if not stored:
+        kv_rows(layer).store(k, v)
     if _triton and not ctx.fresh and (q.is_cuda or INTERPRETED):
         return _kernel_attention(ctx, q, cache_k, cache_v, ring is not None, sliding, scale)
     if ctx.fresh:      # a prefill: its own keys are every key it reads

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import batch_invariant
-from model.attention import cached_attention, get_step_context
+from model.attention import cached_attention, get_step_context, kv_rows
 from model.batch_invariant import linear, row_sum, softmax
 from model.config import FULL, SLIDING, DiffusionGemmaConfig, LayerRope
 from model.fused import (add_gemma_rms_norm, gelu_mul, gemma_feedforward_inputs, gemma_feedforward_out,
@@ -142,8 +142,9 @@ class DiffusionGemmaAttention(nn.Module):
         k = k.view(b, n, self.num_kv_heads, self.head_dim)
         v = v[0].view(b, n, self.num_kv_heads, self.head_dim) if v else k  # K = V: the raw key projection
         cos, sin = rope
-        q, k, v = gemma_qkv(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
-        o = cached_attention(q, k, v, self.layer_idx, 1.0, sliding=self.is_sliding)
+        q, k, v = gemma_qkv(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin,
+                            kv_rows(self.layer_idx))
+        o = cached_attention(q, k, v, self.layer_idx, 1.0, sliding=self.is_sliding, stored=True)
         return self.o_proj(o.reshape(b, n, self.num_heads * self.head_dim))
 
 

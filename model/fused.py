@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from model.batch_invariant import mean_square
+
+if TYPE_CHECKING:
+    from model.attention import KVRows
 
 log = logging.getLogger("dllm.fused")
 
@@ -83,15 +87,19 @@ def _per_head_kernel(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype != torch.float64 and d & (d - 1) == 0
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           q_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE of q and k, then the Llama-4 query scale (after RoPE). On CUDA one triton kernel
-    (model.kernels.qk_norm_rope, as gemma_qkv); elsewhere the reference below."""
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_scale: torch.Tensor | None,
+           v: torch.Tensor | None = None, cache: KVRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE of q and k, then the Llama-4 query scale (after RoPE); with `cache`, k' and v stored into its
+    rows. On CUDA one triton kernel (model.kernels.qk_norm_rope, as gemma_qkv); elsewhere the reference
+    below."""
     if _per_head_kernel(q):
         from model.kernels.qk_norm_rope import qk_rope
 
-        return qk_rope(q, k, cos, sin, q_scale)
-    return _rotary_qk(q, k, cos, sin, q_scale)
+        return qk_rope(q, k, cos, sin, q_scale, v, cache)
+    q, k = _rotary_qk(q, k, cos, sin, q_scale)
+    if cache is not None:
+        cache.store(k, v)
+    return q, k
 
 
 def _rotary_qk(q, k, cos, sin, q_scale):
@@ -125,15 +133,19 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> 
 
 
 def gemma_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-              eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-head RMS norms of q, k (scaled) and v (unscaled), and RoPE of q and k. On CUDA one triton
-    kernel (model.kernels.qk_norm_rope: inductor's chains over these strided per-head rows took longer
-    than their bytes need); elsewhere the reference below."""
+              eps: float, cos: torch.Tensor, sin: torch.Tensor,
+              cache: KVRows | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-head RMS norms of q, k (scaled) and v (unscaled), and RoPE of q and k; with `cache`, k' and v'
+    stored into its rows. On CUDA one triton kernel (model.kernels.qk_norm_rope: inductor's chains over
+    these strided per-head rows took longer than their bytes need); elsewhere the reference below."""
     if _per_head_kernel(q):
         from model.kernels.qk_norm_rope import qkv_norm_rope
 
-        return qkv_norm_rope(q, k, v, q_weight, k_weight, eps, cos, sin)
-    return _gemma_qkv(q, k, v, q_weight, k_weight, eps, cos, sin)
+        return qkv_norm_rope(q, k, v, q_weight, k_weight, eps, cos, sin, cache)
+    q, k, v = _gemma_qkv(q, k, v, q_weight, k_weight, eps, cos, sin)
+    if cache is not None:
+        cache.store(k, v)
+    return q, k, v
 
 
 def _gemma_qkv(q, k, v, q_weight, k_weight, eps, cos, sin):

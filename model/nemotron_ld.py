@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.attention import cached_attention
+from model.attention import cached_attention, kv_rows
 from model.config import NemotronLabsDiffusionConfig
 from model.fused import add_rms_norm, rotary, silu_mul
 from model.layers import RMSNorm, RotaryEmbedding
@@ -45,8 +45,8 @@ class NemotronLDAttention(nn.Module):
         k = k.view(b, n, self.num_kv_heads, self.head_dim)
         v = v.view(b, n, self.num_kv_heads, self.head_dim)
         cos, sin, q_scale = rope
-        q, k = rotary(q, k, cos, sin, q_scale)
-        o = cached_attention(q, k, v, self.layer_idx, self.scale)
+        q, k = rotary(q, k, cos, sin, q_scale, v, kv_rows(self.layer_idx))
+        o = cached_attention(q, k, v, self.layer_idx, self.scale, stored=True)
         return self.o_proj(o.reshape(b, n, q_size))
 
 

@@ -1,6 +1,7 @@
 """The layer kernels against the torch references they replace on CUDA, run by triton's CPU interpreter
 (and natively in a gpu test): the per-head q/k/v chains after the qkv projection (DiffusionGemma's
-norms and RoPE, Ministral-3's RoPE and query scale: model/kernels/qk_norm_rope.py) and DiffusionGemma's
+norms and RoPE, Ministral-3's RoPE and query scale: model/kernels/qk_norm_rope.py, which also store
+k and v into the KV cache rows of the step's tokens) and DiffusionGemma's
 routing (model/kernels/routing.py) and weighted combine of expert outputs (model/kernels/expert_combine.py)."""
 import pytest
 import torch
@@ -9,6 +10,7 @@ from tests.interpreter import run_interpreted
 
 CHECK = r"""
 import torch
+from model.attention import KVRows
 from model.fused import _gemma_qkv, _rotary_qk
 from model.diffusion_gemma import sort_pairs
 from model.kernels import routing
@@ -32,20 +34,40 @@ def qkv_case(b, n, hq, hkv, d, with_v, dtype, seed, device):
     wq, wk = (torch.rand(d, generator=gen) + 0.5).to(dtype), (torch.rand(d, generator=gen) + 0.5).to(dtype)
     cos, sin = rope(b, n, d, gen, dtype)
     ref = _gemma_qkv(*(t.float() for t in (q, k, v, wq, wk)), 1e-6, cos.float(), sin.float())
-    ours = qkv_norm_rope(*(t.to(device) for t in (q, k, v, wq, wk)), 1e-6, cos.to(device), sin.to(device))
-    return ref, [o.cpu() for o in ours]
+    cache = cache_rows(b * n, hkv, d, dtype, gen, device)
+    ours = qkv_norm_rope(*(t.to(device) for t in (q, k, v, wq, wk)), 1e-6, cos.to(device), sin.to(device), cache)
+    ours = [o.cpu() for o in ours]
+    check_stored(cache, ours[1], ours[2])
+    return ref, ours
+
+def cache_rows(tokens, hkv, d, dtype, gen, device):
+    # a layer's cache rows, 3 more than the tokens, each token's row drawn at random
+    index = torch.randperm(tokens + 3, generator=gen)[:tokens]
+    k, v = (torch.zeros(tokens + 3, hkv, d, dtype=dtype, device=device) for _ in "kv")
+    return KVRows(k, v, index.to(device))
+
+def check_stored(cache, k, v):
+    hkv, d = k.shape[-2:]
+    index, others = cache.index.cpu(), torch.ones(len(cache.k), dtype=torch.bool)
+    others[index] = False
+    assert torch.equal(cache.k.cpu()[index], k.reshape(-1, hkv, d)), "k rows"
+    assert torch.equal(cache.v.cpu()[index], v.reshape(-1, hkv, d)), "v rows"
+    assert not cache.k.cpu()[others].any() and not cache.v.cpu()[others].any(), "rows of no token"
 
 def rope_case(b, n, hq, hkv, d, scaled, dtype, seed, device):
     gen = torch.Generator().manual_seed(seed)
     qkv = (torch.randn(b, n, (hq + 2 * hkv) * d, generator=gen) * 3).to(dtype)
-    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], -1)
-    q, k = q.view(b, n, hq, d), k.view(b, n, hkv, d)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    q, k, v = q.view(b, n, hq, d), k.view(b, n, hkv, d), v.view(b, n, hkv, d)
     cos, sin = rope(b, n, d, gen, dtype)
     scale = (1 + torch.rand(b, n, 1, 1, generator=gen)).to(dtype) if scaled else None
     ref = _rotary_qk(q.float(), k.float(), cos.float(), sin.float(), None if scale is None else scale.float())
-    ours = qk_rope(q.to(device), k.to(device), cos.to(device), sin.to(device),
-                   None if scale is None else scale.to(device))
-    return ref, [o.cpu() for o in ours]
+    args = (q.to(device), k.to(device), cos.to(device), sin.to(device), None if scale is None else scale.to(device))
+    cache = cache_rows(b * n, hkv, d, dtype, gen, device)
+    ours = [o.cpu() for o in qk_rope(*args, v.to(device), cache)]
+    check_stored(cache, ours[1], v)
+    assert all(torch.equal(a, o.cpu()) for a, o in zip(ours, qk_rope(*args))), "the same without a cache"
+    return ref, ours
 
 def combine_case(t, k, e, h, dtype, seed, device):
     gen = torch.Generator().manual_seed(seed)

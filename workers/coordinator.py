@@ -6,9 +6,9 @@ The loop runs as an asyncio task on the replica's event loop and never blocks it
 awaited). With `overlap_commands` it keeps a second command queued at the shards behind the running
 one (scheduler.schedule(ahead=True)), so the shards start it as soon as the first ends instead of
 idling through the round trip (events back, apply, schedule, command out); the price is that a
-request arriving while both are in flight starts after the second. `generate` streams a request's blocks as they commit; a caller that goes away (client
-disconnect, stop string) cancels the stream and the slot is freed at the next step boundary. When a
-shard fails, every in-flight request ends with an error saying so, the shard group is rebuilt, and
+request arriving while both are in flight starts after the second. `generate` streams a request's
+blocks as they commit; a caller that goes away (client disconnect, stop string) cancels the stream and
+the slot is freed at the next step boundary. When a shard fails, every in-flight request ends with an error saying so, the shard group is rebuilt, and
 later requests are served; if it cannot be rebuilt, the health check fails and Serve replaces the
 replica.
 """
