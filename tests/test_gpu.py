@@ -62,7 +62,7 @@ def _stats_case(R, P, V, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_sampler_statistics_equal_torch(family, dtype):
     """Full-size vocabularies: the same tokens (greedy and Gumbel samples), and scores within 1e-3 (bf16
-    logits) / 1e-5 (fp32) of the torch pass."""
+    logits) / 1e-5 (fp32) of the torch pass; the scored rows' rank counts and top-k keys exactly."""
     from model.kernels.vocab_stats import TRITON_PASSES
     from model.parallel.group import TPGroup
     from model.sampling import stats as S
@@ -85,6 +85,12 @@ def test_triton_sampler_statistics_equal_torch(family, dtype):
         assert diff < tol, (key, diff)
     cap = kw.get("softcap")
     assert (a.logprob_s(a.u_of(a.x_sample, cap)) - b.logprob_s(b.u_of(b.x_sample, cap))).abs().max() < tol
+    # the scored rows' second read: rank counts and the top 20 keys, exactly
+    tok = torch.gather(x, 2, a.sample.unsqueeze(-1)).squeeze(-1)
+    for k in (0, 20):
+        ca, ka = S.torch_rank_top_k(x, tok, k, 0)
+        cb, kb = TRITON_PASSES.rank_top_k(x, tok, k, 0)
+        assert torch.equal(ca, cb) and (k == 0 or torch.equal(ka, kb)), k
 
 
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])

@@ -19,7 +19,7 @@ from triton.language.extra import libdevice
 
 from model.kernels.launch import INTERPRETED
 from model.sampling.noise import STREAM_GUMBEL
-from model.sampling.stats import NUM_SUMS, VocabPasses
+from model.sampling.stats import NUM_SUMS, VocabPasses, encode_keys
 
 BLOCK = 2048
 SPLIT = 16384          # vocabulary entries per program: 8 splits of a 131072 slice
@@ -230,4 +230,56 @@ def triton_probabilities(x: torch.Tensor, temperature: torch.Tensor, log_norm: t
     return out
 
 
-TRITON_PASSES = VocabPasses(partials=triton_partials, probabilities=triton_probabilities)
+@triton.jit
+def _rank_top_kernel(x_ptr, tok_ptr, counts_ptr, keys_ptr, V, vocab_start, splits, pad_key,
+                     TOP: tl.constexpr, KP: tl.constexpr, SPLIT_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    n = tl.program_id(0)
+    split = tl.program_id(1)
+    row_ptr = x_ptr + n.to(tl.int64) * V
+    tok = tl.load(tok_ptr + n).to(tl.float32)
+    start = split * SPLIT_SIZE
+    count = tl.zeros((), dtype=tl.int32)
+    lowest = tl.full((), -9223372036854775807 - 1, tl.int64)
+    best = tl.full((KP,), -9223372036854775807 - 1, tl.int64)
+    heads = tl.arange(0, BLOCK_SIZE // KP)
+    pair = tl.arange(0, 2)
+    for off in range(0, SPLIT_SIZE, BLOCK_SIZE):
+        cols = start + off + tl.arange(0, BLOCK_SIZE)
+        inside = cols < V
+        x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
+        count += tl.sum((x > tok).to(tl.int32), 0)
+        if TOP:   # this tile's KP largest keys, merged with the split's so far (sorted, take the head)
+            keys = tl.where(inside, _keys(x, (vocab_start + cols).to(tl.int64)), pad_key)
+            tile = tl.reshape(tl.sort(keys, descending=True), (BLOCK_SIZE // KP, KP))
+            head = tl.max(tl.where(heads[:, None] == 0, tile, lowest), 0)
+            both = tl.reshape(tl.sort(tl.cat(best, head, can_reorder=True), descending=True), (2, KP))
+            best = tl.max(tl.where(pair[:, None] == 0, both, lowest), 0)
+    out = n * splits + split
+    tl.store(counts_ptr + out, count)
+    if TOP:
+        tl.store(keys_ptr + out * KP + tl.arange(0, KP), best)
+
+
+def triton_rank_top_k(x: torch.Tensor, x_tok: torch.Tensor, k: int, vocab_start: int, *, block: int = BLOCK,
+                      split: int = SPLIT):
+    """model.sampling.stats.torch_rank_top_k's contract: one read of the scored rows' logits for both
+    the rank counts and the top k keys (per split: its KP largest by sort-and-merge, then the splits'
+    merged here). block, split: the tile and split widths (powers of two; smaller ones only in tests)."""
+    R, P, V = x.shape
+    x = x.contiguous()
+    kp = max(triton.next_power_of_2(max(k, 1)), 2)
+    block = max(min(block, triton.next_power_of_2(V)), kp)
+    split = max(min(split, triton.next_power_of_2(V)), block)
+    splits = triton.cdiv(V, split)
+    counts = torch.empty(R, P, splits, dtype=torch.int32, device=x.device)
+    keys = torch.empty(R, P, splits, kp, dtype=torch.int64, device=x.device)
+    pad = int(encode_keys(torch.full((1,), -torch.inf), torch.full((1,), (1 << 32) - 1, dtype=torch.int64)))
+    _rank_top_kernel[(R * P, splits)](
+        x, x_tok.float().contiguous(), counts, keys, V, vocab_start, splits, pad, TOP=k > 0, KP=kp,
+        SPLIT_SIZE=split, BLOCK_SIZE=block, num_warps=8)
+    top = keys.flatten(-2).topk(k, dim=-1).values if k else None
+    return counts.sum(-1, dtype=torch.int64), top
+
+
+TRITON_PASSES = VocabPasses(partials=triton_partials, probabilities=triton_probabilities,
+                            rank_top_k=triton_rank_top_k)

@@ -162,12 +162,38 @@ def torch_probabilities(x: torch.Tensor, temperature: torch.Tensor, log_norm: to
     return probabilities(s, log_norm, soft_dtype).to(out_dtype)
 
 
+_TOPK_CHUNK = 1 << 25  # elements of int64 keys built at once for top-k capture
+
+
+def torch_rank_top_k(x: torch.Tensor, x_tok: torch.Tensor, k: int,
+                     vocab_start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's part of reveal-time scores for scored rows x [R, P, V_r] whose tokens' raw logits are
+    x_tok [R, P]: counts [R, P] of entries with a larger logit (the rank, less 1, once summed over ranks)
+    and the k largest keys [R, P, k] (encode_keys of raw logit and global id; padded with keys that lose
+    every comparison where the slice is narrower than k), None for k = 0."""
+    # x_tok is one of the logits, so it converts back to their dtype exactly
+    counts = (x > x_tok.unsqueeze(-1).to(x.dtype)).sum(-1)
+    if not k:
+        return counts, None
+    flat = x.reshape(-1, x.shape[-1])
+    ids = torch.arange(vocab_start, vocab_start + x.shape[-1], device=x.device)
+    step = max(1, _TOPK_CHUNK // x.shape[-1])
+    keys = torch.cat([encode_keys(flat[i:i + step].float(), ids).topk(min(k, x.shape[-1]), dim=-1).values
+                      for i in range(0, flat.shape[0], step)])
+    if keys.shape[-1] < k:
+        pad = encode_keys(torch.full((1,), -torch.inf, device=x.device), torch.full((1,), _LOW32, device=x.device))
+        keys = torch.cat([keys, pad.expand(keys.shape[0], k - keys.shape[-1])], -1)
+    return counts, keys.view(*x.shape[:-1], k)
+
+
 @dataclass(frozen=True)
 class VocabPasses:
-    """The passes over a rank's logits slice: the statistics' partials and the self-conditioning
-    probabilities. Torch's here; model.kernels.vocab_stats.TRITON_PASSES on CUDA."""
+    """The passes over a rank's logits slice: the statistics' partials, the self-conditioning
+    probabilities, and the scored rows' rank counts and top-k keys. Torch's here;
+    model.kernels.vocab_stats.TRITON_PASSES on CUDA."""
     partials: Callable = torch_partials
     probabilities: Callable = torch_probabilities
+    rank_top_k: Callable = torch_rank_top_k      # scored rows only: a second read of their logits
 
 
 TORCH_PASSES = VocabPasses()

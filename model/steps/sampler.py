@@ -14,8 +14,6 @@ from model.sampling.filters import keep_threshold
 from model.slots import Scores, SlotTable
 from model.steps.plan import RowPlan
 
-_TOPK_CHUNK = 1 << 25  # elements of int64 keys built at once for top-k capture
-
 
 class RowSampler:
     def __init__(self, model, slots: SlotTable, passes: S.VocabPasses = S.TORCH_PASSES):
@@ -50,11 +48,11 @@ class RowSampler:
         temp = stats.temperature[rows].view(-1, 1)
         lse_s = stats.lse_s[rows]
         logprob = S.unscaled(x_tok, self.softcap) / temp - lse_s
-        # x_tok is one of the logits, so it converts back to their dtype exactly
-        rank = 1 + self.tp.all_reduce((xs > x_tok.unsqueeze(-1).to(xs.dtype)).sum(-1))
+        counts, keys = self.passes.rank_top_k(xs, x_tok, k, self.vocab_start)
+        rank = 1 + self.tp.all_reduce(counts)
         if not k:
             return Scores(logprob, rank)
-        values, ids = self._top_k(xs, k)
+        values, ids = self._merge_ranks(keys, k)
         s = S.unscaled(values, self.softcap) / temp.unsqueeze(-1)
         if stats.threshold is not None:  # filtered alternatives have no probability
             base = s if self.filter_on_scaled else S.unscaled(values, self.softcap)
@@ -62,19 +60,9 @@ class RowSampler:
             s = torch.where(kept, s, -torch.inf)
         return Scores(logprob, rank, s - lse_s.unsqueeze(-1), ids)
 
-    def _top_k(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k largest raw logits [B', P, k] and their global ids, ties to the lowest id, merged over
-        ranks from each rank's own top k."""
-        flat = x.reshape(-1, x.shape[-1])
-        ids = torch.arange(self.vocab_start, self.vocab_start + x.shape[-1], device=x.device)
-        step = max(1, _TOPK_CHUNK // x.shape[-1])
-        keys = torch.cat([S.encode_keys(flat[i:i + step].float(), ids).topk(min(k, x.shape[-1]), dim=-1).values
-                          for i in range(0, flat.shape[0], step)])
-        if keys.shape[-1] < k:  # a shard narrower than k: pad with keys that lose every comparison
-            pad = S.encode_keys(torch.full((1,), -torch.inf, device=x.device), torch.full((1,), (1 << 32) - 1,
-                                                                                          device=x.device))
-            keys = torch.cat([keys, pad.expand(keys.shape[0], k - keys.shape[-1])], -1)
+    def _merge_ranks(self, keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each rank's k largest keys [B', P, k] -> the global k largest raw logits and their ids, ties to
+        the lowest id."""
         if self.tp.is_parallel:
             keys = torch.movedim(self.tp.all_gather(keys), 0, -2).flatten(-2).topk(k, dim=-1).values
-        values, top_ids = S.decode_keys(keys)
-        return values.view(*x.shape[:-1], k), top_ids.view(*x.shape[:-1], k)
+        return S.decode_keys(keys)
