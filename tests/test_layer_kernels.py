@@ -56,7 +56,7 @@ def check_stored(cache, k, v):
 
 def rope_case(b, n, hq, hkv, d, scaled, dtype, seed, device):
     gen = torch.Generator().manual_seed(seed)
-    qkv = (torch.randn(b, n, (hq + 2 * hkv) * d, generator=gen) * 3).to(dtype)
+    qkv = (torch.randn(b, n + 2, (hq + 2 * hkv) * d, generator=gen) * 3).to(dtype)[:, 2:]  # rows of a longer step
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
     q, k, v = q.view(b, n, hq, d), k.view(b, n, hkv, d), v.view(b, n, hkv, d)
     cos, sin = rope(b, n, d, gen, dtype)
@@ -113,7 +113,7 @@ def run(device, dtypes):
                 assert o.dtype == dtype and o.is_contiguous(), name
                 err = ((o.float() - r).abs() / (r.abs() + 1)).max().item()
                 assert err <= tol, (name, dtype, d, err)
-        for (b, n, hq, hkv, d, scaled) in ((1, 5, 4, 2, 32, True), (2, 3, 4, 1, 16, False)):
+        for (b, n, hq, hkv, d, scaled) in ((1, 5, 4, 2, 32, True), (2, 3, 4, 1, 16, False), (3, 1, 2, 1, 16, True)):
             ref, ours = rope_case(b, n, hq, hkv, d, scaled, dtype, seed=d, device=device)
             for r, o, name in zip(ref, ours, "qk"):
                 assert o.dtype == dtype and o.is_contiguous(), name

@@ -77,10 +77,14 @@ def _qkv_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_scale_p
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
-    """[B, L, H, D] with heads packed (a split of the qkv projection) -> [B * L, H * D] strided view."""
+    """[B, L, H, D] -> [B * L, H * D]: a strided view when the heads are packed and the tokens evenly
+    spaced (a split of the qkv projection; a dimension of size 1, as in a one-token AR step, may have
+    any stride), else a packed copy."""
     b, n, h, d = x.shape
-    assert x.stride(3) == 1 and x.stride(2) == d and x.stride(0) == n * x.stride(1), "heads must be packed"
-    return x.as_strided((b * n, h * d), (x.stride(1), 1))
+    packed = x.stride(3) == 1 and (h == 1 or x.stride(2) == d)
+    if not packed or not (b == 1 or n == 1 or x.stride(0) == n * x.stride(1)):
+        x = x.contiguous()
+    return x.as_strided((b * n, h * d), (x.stride(1) if n > 1 else x.stride(0), 1))
 
 
 def qkv_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
