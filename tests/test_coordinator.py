@@ -5,6 +5,8 @@ a second command waits behind the first."""
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from model.sampling.params import DecodeParams
 from workers.coordinator import Coordinator, RequestError
 from workers.shard_group import InProcessShards, ShardFailure
@@ -15,8 +17,9 @@ SLOTS = 2
 class QueuedShards:
     """start/execute/ping/stop over an in-process runner; `fail_at`: the call number that fails."""
 
-    def __init__(self, model_dir: str, fail_at: int | None = None):
+    def __init__(self, model_dir: str, fail_at: int | None = None, failure: Exception | None = None):
         self.model_dir, self.fail_at = model_dir, fail_at
+        self.failure = failure or ShardFailure("a shard failed: injected")
         self.calls = self.in_flight = self.most_in_flight = 0
         self.pids: list[int] = []
 
@@ -32,7 +35,7 @@ class QueuedShards:
         try:
             events = await asyncio.get_running_loop().run_in_executor(self.pool, self.inner.execute, cmd)
             if call == self.fail_at:
-                raise ShardFailure("a shard failed: injected")
+                raise self.failure
             return events
         finally:
             self.in_flight -= 1
@@ -80,9 +83,13 @@ def test_overlapped_commands_give_the_same_tokens_and_keep_a_command_queued(tiny
     assert c.shard_busy_s > 0 and c.stats()["shard_busy_s"] == c.shard_busy_s
 
 
-def test_a_failure_with_a_command_queued_behind_it_ends_the_requests_and_recovers(tiny_nemotron):
+@pytest.mark.parametrize("failure", [ShardFailure("a shard failed: injected"), RuntimeError("a bug")],
+                         ids=["shard", "bug"])
+def test_a_failure_with_a_command_queued_behind_it_ends_the_requests_and_recovers(tiny_nemotron, failure):
+    """A shard's failure, or any other error in the loop (a bug), ends the requests in flight with a
+    clear error and rebuilds the shards; the loop itself goes on."""
     async def scenario():
-        shards = QueuedShards(tiny_nemotron, fail_at=2)   # command 3 is queued when command 2 fails
+        shards = QueuedShards(tiny_nemotron, fail_at=2, failure=failure)   # command 3 is queued then
         c = coordinator(tiny_nemotron, shards, overlap=True)
         results = await asyncio.wait_for(asyncio.gather(
             *[tokens_of(c, p, params(128)) for p, _ in REQUESTS[:2]], return_exceptions=True), 60)
@@ -96,4 +103,5 @@ def test_a_failure_with_a_command_queued_behind_it_ends_the_requests_and_recover
 
     results, after, c = asyncio.run(scenario())
     assert all(isinstance(r, RequestError) and r.kind == "shard_failure" for r in results), results
+    assert all(str(failure) in r.message for r in results)
     assert len(after) == 32 and c.failures == 1 and c.shard_starts == 2

@@ -34,10 +34,11 @@ def qkv_case(b, n, hq, hkv, d, with_v, dtype, seed, device):
     wq, wk = (torch.rand(d, generator=gen) + 0.5).to(dtype), (torch.rand(d, generator=gen) + 0.5).to(dtype)
     cos, sin = rope(b, n, d, gen, dtype)
     ref = _gemma_qkv(*(t.float() for t in (q, k, v, wq, wk)), 1e-6, cos.float(), sin.float())
+    args = [t.to(device) for t in (q, k, v, wq, wk)] + [1e-6, cos.to(device), sin.to(device)]
     cache = cache_rows(b * n, hkv, d, dtype, gen, device)
-    ours = qkv_norm_rope(*(t.to(device) for t in (q, k, v, wq, wk)), 1e-6, cos.to(device), sin.to(device), cache)
-    ours = [o.cpu() for o in ours]
+    ours = [o.cpu() for o in qkv_norm_rope(*args, cache)]
     check_stored(cache, ours[1], ours[2])
+    assert all(torch.equal(a, o.cpu()) for a, o in zip(ours, qkv_norm_rope(*args))), "the same without a cache"
     return ref, ours
 
 def cache_rows(tokens, hkv, d, dtype, gen, device):

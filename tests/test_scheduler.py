@@ -334,7 +334,8 @@ def test_commands_sized_by_the_slots_step_bounds():
     s.add("ar", [1], params(max_tokens=3, mode="ar"))
     s.add("third", [1], params(max_tokens=200))                           # waits: both slots taken
     command = s.schedule()
-    assert [a.params.mode for a in command.admit] == ["ar"] and command.max_steps == 1  # "long": bound 0
+    # "long" has bound 0 (it cannot run another step), so the AR request's bound of 2 sizes the command
+    assert [a.params.mode for a in command.admit] == ["ar"] and command.max_steps == 2
     s.apply(Events([Block(0, body(2))], 1, StepCounters(), steps_left={0: 1, 1: 3}))
     assert s.schedule().max_steps == 1                 # the AR request may free its slot after 1 step
     s.apply(Events([Block(0, body(1))], 1, StepCounters(), steps_left={0: 0, 1: 2}))
@@ -361,6 +362,15 @@ def test_commands_scheduled_ahead_run_only_what_outlasts_the_commands_in_flight(
     s.apply(Events([Block(0, body(32), 4, 1)], 8, StepCounters(), steps_left={0: 0, 1: 12}))
     command = s.schedule()                                 # a finished: c takes its slot at once
     assert command.release == (0,) and [n.slot for n in command.admit] == [0]
+
+    s = make(num_slots=3, max_queue=4, max_model_len=512, max_steps_per_command=8, budget=StepBudget(C))
+    s.add("a", [1], params(max_tokens=32, max_denoising_steps=4))
+    s.add("b", [1], params(max_tokens=64, max_denoising_steps=9))
+    s.schedule()                                           # a: bound 0 after it, b: 12
+    s.add("x", [1], params(max_tokens=32))
+    s.add("y", [1], params(max_tokens=32))                 # x takes the free slot ahead, y waits
+    command = s.schedule(ahead=True)
+    assert [n.slot for n in command.admit] == [2] and command.max_steps == 8   # a's 0 does not cut it to 1
 
     s = make(num_slots=2, max_queue=4, max_model_len=512, max_steps_per_command=8, budget=StepBudget(C))
     s.add("b", [1], params(max_tokens=64, max_denoising_steps=9))

@@ -8,9 +8,9 @@ one (scheduler.schedule(ahead=True)), so the shards start it as soon as the firs
 idling through the round trip (events back, apply, schedule, command out); the price is that a
 request arriving while both are in flight starts after the second. `generate` streams a request's
 blocks as they commit; a caller that goes away (client disconnect, stop string) cancels the stream and
-the slot is freed at the next step boundary. When a shard fails, every in-flight request ends with an error saying so, the shard group is rebuilt, and
-later requests are served; if it cannot be rebuilt, the health check fails and Serve replaces the
-replica.
+the slot is freed at the next step boundary. When a shard fails (or the loop itself raises), every
+in-flight request ends with an error saying so, the shard group is rebuilt, and later requests are
+served; if it cannot be rebuilt, the health check fails and Serve replaces the replica.
 """
 from __future__ import annotations
 
@@ -140,40 +140,53 @@ class Coordinator:
     # ---- the step loop --------------------------------------------------------------------------
     async def _run(self) -> None:
         in_flight: deque[asyncio.Task] = deque()   # shard calls, in the order their commands were made
-        while True:
-            while len(in_flight) < self.commands_in_flight:
-                command = self.scheduler.schedule(ahead=bool(in_flight))
-                if command is None:
-                    break
-                # a task starts its shard call before the loop's next await: calls reach the shards in order
-                in_flight.append(asyncio.ensure_future(self.shards.execute(command)))
-            if not in_flight:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            if len(in_flight) < self.commands_in_flight:   # a request arriving now can be queued behind
-                self._wake.clear()
-                wake = asyncio.ensure_future(self._wake.wait())
-                await asyncio.wait((in_flight[0], wake), return_when=asyncio.FIRST_COMPLETED)
-                wake.cancel()
-                if not in_flight[0].done():
+        try:
+            while True:
+                while len(in_flight) < self.commands_in_flight:
+                    command = self.scheduler.schedule(ahead=bool(in_flight))
+                    if command is None:
+                        break
+                    # a task starts its shard call before the loop's next await: calls reach the shards in order
+                    in_flight.append(asyncio.ensure_future(self.shards.execute(command)))
+                if not in_flight:
+                    self._wake.clear()
+                    await self._wake.wait()
                     continue
-            try:
-                events = await in_flight.popleft()
-            except ShardFailure as err:
-                for call in in_flight:
-                    call.cancel()
-                await asyncio.gather(*in_flight, return_exceptions=True)
-                in_flight.clear()
-                await self._recover(err)
-                continue
-            self.shard_busy_s += events.execute_s
-            for out in self.scheduler.apply(events):
-                self.metrics.observe(out)
-                queue = self.streams.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
-            await asyncio.sleep(0)  # let streams and new requests in between commands
+                if len(in_flight) < self.commands_in_flight:   # a request arriving now can be queued behind
+                    self._wake.clear()
+                    wake = asyncio.ensure_future(self._wake.wait())
+                    await asyncio.wait((in_flight[0], wake), return_when=asyncio.FIRST_COMPLETED)
+                    wake.cancel()
+                    if not in_flight[0].done():
+                        continue
+                try:
+                    events = await in_flight.popleft()
+                    self.shard_busy_s += events.execute_s
+                    outputs = self.scheduler.apply(events)
+                except Exception as err:   # a shard failed, or a bug here: end the requests, never strand them
+                    await self._drop(in_flight)
+                    if not isinstance(err, ShardFailure):
+                        log.exception("the step loop failed")
+                        err = ShardFailure(f"internal error: {type(err).__name__}: {err}")
+                    await self._recover(err)
+                    continue
+                for out in outputs:
+                    self.metrics.observe(out)
+                    queue = self.streams.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                await asyncio.sleep(0)  # let streams and new requests in between commands
+        finally:   # the loop cancelled (the replica shutting down): no shard call outlives it
+            for call in in_flight:
+                call.cancel()
+
+    @staticmethod
+    async def _drop(calls: deque[asyncio.Task]) -> None:
+        """Cancels the shard calls still in flight (their commands belong to a scheduler being replaced)."""
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        calls.clear()
 
     async def _recover(self, err: ShardFailure) -> None:
         """Ends every in-flight request with the failure, then rebuilds the shard group."""

@@ -52,6 +52,8 @@ class RayShards:
             raise
 
     async def execute(self, cmd: Command) -> Events:
+        """The bound counts from the call: with overlapped commands it covers the one queued ahead too
+        (commands take well under a second; the default bound is 120 s)."""
         refs = [w.execute.remote(cmd) for w in self.workers]
         results = await self._bounded(asyncio.gather(*refs), self.command_timeout_s)
         return results[0]

@@ -8,9 +8,10 @@ be applied in the order their commands were scheduled, but
 schedule() may run ahead of apply() (the coordinator keeps the next command queued at the shards while
 the current one runs, so they never wait for a round trip): a slot's blocks from commands scheduled
 before its current request was admitted belong to the slot's previous occupant and are ignored, like
-blocks for slots that no request holds. A command scheduled ahead (`schedule(ahead=True)`) only runs
-requests whose bounds say they can still run after the commands in flight, and is not made when a
-slot frees with those commands while requests wait (admitting them right after is sooner).
+blocks for slots that no request holds. A command scheduled ahead (`schedule(ahead=True)`) is made
+only when it admits a request or some request can still run after the commands in flight (a slot that
+finishes with them idles through it), and not when a slot frees with them while requests wait and no
+slot is free (admitting them right after is sooner); its size leaves out the slots that finish first.
 """
 from __future__ import annotations
 
@@ -151,7 +152,8 @@ class Scheduler:
         bounds = [r.steps_left for r in running]
         if None in bounds:
             return self.max_steps_per_command
-        target = min(bounds) if self._waiting else max(bounds)
+        # a 0 is a slot finishing with the commands in flight (one scheduled ahead): not a reason to stop
+        target = min((b for b in bounds if b > 0), default=1) if self._waiting else max(bounds)
         return max(1, min(self.max_steps_per_command, target))
 
     def apply(self, events: Events) -> list[RequestOutput]:

@@ -18,7 +18,9 @@ from model.protocol import Command, Events
 from workers.shard_group import build_runner
 
 
-@ray.remote
+# `execute` runs in the default group (one thread: commands in order, one at a time); `ping` and `pid`
+# in their own, so a health check answers while commands are queued behind the running one.
+@ray.remote(concurrency_groups={"health": 1})
 class ShardWorker:
     def __init__(self, rank: int, world_size: int, runner_args: dict):
         self.rank, self.world_size, self.args = rank, world_size, runner_args
@@ -57,8 +59,10 @@ class ShardWorker:
         events = self.runner.execute(cmd)
         return events if self.rank == 0 else None
 
+    @ray.method(concurrency_group="health")
     def ping(self) -> int:
         return self.rank
 
+    @ray.method(concurrency_group="health")
     def pid(self) -> int:
         return os.getpid()

@@ -103,6 +103,7 @@ def qk_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     """Ministral-3: RoPE of q [B, L, Hq, D] and k [B, L, Hkv, D], then q times the Llama-4 query scale
     q_scale [B, L, 1, 1] (None: 1) -> new contiguous q', k'; with `cache`, k' and v [B, L, Hkv, D] also
     stored into its rows."""
+    assert cache is None or v is not None, "storing into the cache needs v"
     b, n, hq, d = q.shape
     qo, ko = (torch.empty(b, n, t.shape[2], d, dtype=t.dtype, device=t.device) for t in (q, k))
     _launch(q, k, k if v is None else v, None, None, 0.0, cos, sin, q_scale, qo, ko, ko, cache, norm=False)
