@@ -3,6 +3,7 @@ executor, so calls queue and run in order as they do at a Ray actor. The HTTP su
 through Serve; here we can see what they cannot: how many commands are in flight, and a failure while
 a second command waits behind the first."""
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -20,6 +21,8 @@ class QueuedShards:
     def __init__(self, model_dir: str, fail_at: int | None = None, failure: Exception | None = None):
         self.model_dir, self.fail_at = model_dir, fail_at
         self.failure = failure or ShardFailure("a shard failed: injected")
+        self.gate = threading.Event()   # commands run only while it is set
+        self.gate.set()
         self.calls = self.in_flight = self.most_in_flight = 0
         self.pids: list[int] = []
 
@@ -33,12 +36,16 @@ class QueuedShards:
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
-            events = await asyncio.get_running_loop().run_in_executor(self.pool, self.inner.execute, cmd)
+            events = await asyncio.get_running_loop().run_in_executor(self.pool, self._execute, cmd)
             if call == self.fail_at:
                 raise self.failure
             return events
         finally:
             self.in_flight -= 1
+
+    def _execute(self, cmd):
+        assert self.gate.wait(60), "the test never opened the gate"
+        return self.inner.execute(cmd)
 
     async def ping(self) -> None:
         pass
@@ -105,3 +112,31 @@ def test_a_failure_with_a_command_queued_behind_it_ends_the_requests_and_recover
     assert all(isinstance(r, RequestError) and r.kind == "shard_failure" for r in results), results
     assert all(str(failure) in r.message for r in results)
     assert len(after) == 32 and c.failures == 1 and c.shard_starts == 2
+
+
+def test_a_request_arriving_while_one_command_runs_is_queued_behind_it(tiny_nemotron):
+    """With one command in flight (nothing else worth queueing), a new request is sent to the shards at
+    once, admitted in a command queued behind the running one, not after its events come back."""
+    async def scenario():
+        shards = QueuedShards(tiny_nemotron)
+        c = coordinator(tiny_nemotron, shards, overlap=True)
+        shards.gate.clear()                                   # the first command cannot finish yet
+        first = asyncio.ensure_future(tokens_of(c, [1, 5, 9], params(32)))   # 4 steps: one command
+        while shards.calls < 1:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert shards.calls == 1                              # nothing outlasts it: nothing queued
+        second = asyncio.ensure_future(tokens_of(c, [1, 7], params(32)))
+        for _ in range(500):   # 5 s at most
+            if shards.calls == 2:
+                break
+            await asyncio.sleep(0.01)
+        queued_while_running = shards.calls == 2 and shards.in_flight == 2
+        shards.gate.set()
+        outs = await asyncio.wait_for(asyncio.gather(first, second), 60)
+        c._loop_task.cancel()
+        return queued_while_running, outs
+
+    queued_while_running, outs = asyncio.run(scenario())
+    assert queued_while_running
+    assert [len(t) for t in outs] == [32, 32]
