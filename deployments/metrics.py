@@ -2,9 +2,9 @@
 
 From the coordinator's stats (one source per number): the step counters (SPEC.md section 8), queue
 and slot gauges, shard failures, restarts and busy seconds, requests by finish reason, and the
-per-request histograms of workers/metrics.py. From this ingress process: HTTP requests to the generation endpoints
-by endpoint and status (`RequestCounts`), counted where the status is decided (the error handlers, the
-end of a JSON answer, the end of a stream).
+per-request histograms of workers/metrics.py. From this ingress process: HTTP requests to the
+generation endpoints by endpoint and status (`RequestCounts`), counted where the status is decided (the
+error handlers, the end of a JSON answer, the end of a stream).
 """
 from __future__ import annotations
 

@@ -213,14 +213,19 @@ class KVRows:
         self.v.index_copy_(0, self.index, v.reshape(-1, hkv, d))
 
 
+def _ring_of(ctx: StepContext, layer: int) -> RingView | None:
+    """The step's ring view if `layer` is a ring layer of the cache."""
+    return ctx.ring if ctx.ring is not None and ctx.kv.rings[layer] else None
+
+
 def kv_rows(layer: int) -> KVRows:
     """This step's KVRows for `layer` (a ring layer writes position p at p mod ring)."""
     ctx = get_step_context()
     cache_k, cache_v = ctx.kv.k[layer], ctx.kv.v[layer]
-    ring = ctx.ring is not None and ctx.kv.rings[layer]
+    ring = _ring_of(ctx, layer)
     hkv, d = cache_k.shape[-2:]
     return KVRows(cache_k.view(-1, hkv, d), cache_v.view(-1, hkv, d),
-                  ctx.ring.write_index if ring else ctx.write_index)
+                  ring.write_index if ring is not None else ctx.write_index)
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
@@ -231,7 +236,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     ctx = get_step_context()
     cache_k, cache_v = ctx.kv.k[layer], ctx.kv.v[layer]
     assert not sliding or ctx.window_mask is not None, "a sliding layer needs StepContext.build(..., window=W)"
-    ring = ctx.ring if ctx.ring is not None and ctx.kv.rings[layer] else None
+    ring = _ring_of(ctx, layer)
     if not stored:
         kv_rows(layer).store(k, v)
     if _triton and not ctx.fresh and (q.is_cuda or INTERPRETED):

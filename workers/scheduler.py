@@ -139,8 +139,8 @@ class Scheduler:
         return Command(release, tuple(admit), steps)
 
     def _worth_queueing(self) -> bool:
-        """A queued command is worth it if it admits, or if a request outlasts the commands in flight
-        (then, with nothing waiting, the largest bound sizes it; with requests waiting, no bound is 0)."""
+        """A queued command is worth it if it admits a waiting request into a free slot, or, unless a
+        slot frees with the commands in flight while requests wait, if a request outlasts them."""
         occupied = [r for r in self._slots if r is not None]
         if self._waiting and len(occupied) < self.num_slots:
             return True
