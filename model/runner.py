@@ -11,7 +11,8 @@ the slots' lengths and phases in one synchronisation. A slot that finishes mid-c
 an EOS) turns `done` on the device and idles until the command ends; the events carry each slot's
 bound on the steps it can still run (model/phases.py), by which the scheduler sizes the next command
 so that few steps are spent on idle rows. On CUDA each step replays a graph
-(model/graphs.py). A runner made with `batch_invariant=True` runs each command, captures included, in
+(model/graphs.py), and a canvas step's state update is compiled into a few fused kernels
+(model/steps/compiled.py; `warm_up` compiles the common plans before a shard serves). A runner made with `batch_invariant=True` runs each command, captures included, in
 model.batch_invariant's mode: a slot's results are then the same bits whatever shares its batch.
 """
 from __future__ import annotations
@@ -28,9 +29,11 @@ from model.graphs import StepGraphs, bucket, device_context
 from model.outputs import CommandOutputs
 from model.phases import StepBudget
 from model.protocol import Command, Events, NewSlot
+from model.sampling.params import DecodeParams
 from model.sampling.stats import TORCH_PASSES, VocabPasses
 from model.slots import SlotInfo, SlotTable
 from model.steps.causal import CausalSteps
+from model.steps.compiled import CompiledUpdate
 from model.steps.masked import MaskedCanvasStep
 from model.steps.plan import plan_rows
 from model.steps.renoise import RenoiseCanvasStep
@@ -122,6 +125,25 @@ class Runner:
             events.steps_left = {s: self.budget.left(i.params, t.host_phase[s], t.host_n[s], t.host_emitted[s])
                                  for s, i in self.slots.info.items()}
             return events
+
+    def warm_up(self) -> float:
+        """Before serving, on a runner with no slots in use: runs a canvas step of one row and of two, each
+        without scores and with 2 alternatives a position (the variant every k > 1 shares), so that their
+        state updates compile now (model/steps/compiled.py), then freezes compiling. Does nothing where
+        the updates are not compiled. Returns the seconds it took."""
+        update = self.canvas_step.update
+        if not isinstance(update, CompiledUpdate) or update.compiled is None or self.batch_invariant:
+            return 0.0
+        assert not self.slots.info, "warm_up runs before any slot is admitted"
+        start = time.perf_counter()
+        prompt = tuple(range(1, 5))
+        for rows in sorted({1, min(2, self.slots.num_slots)}):
+            for logprobs in (None, 2):
+                params = DecodeParams(max_tokens=1, ignore_eos=True, logprobs=logprobs)
+                self.execute(Command(admit=tuple(NewSlot(s, prompt, params, s) for s in range(rows)), max_steps=1))
+                self.execute(Command(release=tuple(range(rows)), max_steps=0))
+        update.freeze()
+        return time.perf_counter() - start
 
     def _admit(self, news: tuple[NewSlot, ...]) -> list[int]:
         for new in news:

@@ -52,6 +52,12 @@ class Scores:
     top_values: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
 
+    @property
+    def k(self) -> int:
+        """Alternatives per position: from the shape, not a plan's int, so a compiled update
+        (model/steps/compiled.py) serves every k > 1 with one variant."""
+        return 0 if self.top_values is None else self.top_values.shape[-1]
+
     def at(self, column: torch.Tensor) -> "Scores":
         """One position per row: column [R] -> Scores of [R, 1]."""
         def pick(t):

@@ -53,6 +53,8 @@ class ShardWorker:
         self.runner = build_runner(a["model_dir"], tp, a["num_slots"], a["max_model_len"], a["dtype"],
                                    self.device, a["load_format"], a["max_steps_per_command"],
                                    a["batch_invariant"])
+        # compiles the common steps' updates now, not in a served command (model/steps/compiled.py)
+        self.runner.warm_up()
         return True
 
     def execute(self, cmd: Command) -> Events | None:

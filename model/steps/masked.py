@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 
 from model.phases import COMMIT, DENOISE, DONE, DRAFT, VERIFY
-from model.sampling.reveal import reveal
+from model.sampling.reveal import POLICIES, reveal
 from model.slots import Scores
+from model.steps.compiled import CompiledUpdate, compile_updates_enabled
 from model.steps.plan import RowPlan
 
 
@@ -34,30 +35,44 @@ def contains_eos(tokens: torch.Tensor, count: torch.Tensor, eos: torch.Tensor) -
 class MaskedCanvasStep:
     def __init__(self, runner):
         self.r = runner
+        self.update = CompiledUpdate(self._update, compile_updates_enabled(runner.device))
 
     def __call__(self, plan: RowPlan, idx: torch.Tensor, scored: torch.Tensor) -> None:
+        r, t, C = self.r, self.r.slots, self.r.C
+        phase = t.phase[idx]
+        hidden = r.forward(idx, t.canvas[idx], t.length[idx], C, (phase == COMMIT) | (phase == VERIFY), plan.kv_len)
+        x = r.logits(hidden)                                            # [B, C, V_r] raw, mask token -inf
+        st = r.sampler.stats(x, idx, plan)
+        scores = r.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs) if plan.scored else None
+        r.observe("before", "canvas", idx, x)
+        if plan.drafting:   # the drafting rows' index, made before the compiled update: made inside it, the
+            r.drafts.rows(plan)   # update's guards would differ between a graph's eager run and its capture
+        self.update(plan, idx, scored, st, scores)
+        r.observe("after", "canvas", idx)
+
+    def _update(self, plan: RowPlan, idx: torch.Tensor, scored: torch.Tensor, st, scores: Scores | None) -> None:
+        """Every phase's decisions from the sampler's statistics, kept where the row is in that phase."""
         r, t, C, MASK = self.r, self.r.slots, self.r.C, self.r.mask_id
         phase, length, canvas, n = t.phase[idx], t.length[idx], t.canvas[idx], t.n[idx]
         is_denoise, is_commit = phase == DENOISE, phase == COMMIT
         is_draft, is_verify = phase == DRAFT, phase == VERIFY
         live = phase != DONE
-        hidden = r.forward(idx, canvas, length, C, is_commit | is_verify, plan.kv_len)
-        x = r.logits(hidden)                                            # [B, C, V_r] raw, mask token -inf
-        st = r.sampler.stats(x, idx, plan)
-        scores = r.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs) if plan.scored else None
-        r.observe("before", "canvas", idx, x)
 
         # denoise: reveal candidates by the row's policy (SPEC.md 3.3-3.7)
         masked = canvas == MASK
         confidence = torch.where(masked, st.x_sample - st.lse_u, -torch.inf)
         N = t.steps_limit[idx]
-        revealed = reveal(t.policy[idx], list(plan.policies), masked, n, N, confidence=confidence,
-                          entropy=st.entropy_u if "entropy_bound" in plan.policies else None,
+        # compiled, every policy and the early stop are computed (each row keeps its own): one compiled
+        # variant serves every mix of policies, and the extra work fuses into few kernels
+        compiling = torch.compiler.is_compiling()
+        policies = tuple(POLICIES) if compiling else plan.policies
+        revealed = reveal(t.policy[idx], list(policies), masked, n, N, confidence=confidence,
+                          entropy=st.entropy_u if "entropy_bound" in policies else None,
                           tau=t.tau[idx], gamma=t.gamma[idx]) & is_denoise[:, None]
         denoised = torch.where(revealed, st.sample, canvas)
         still_masked = denoised == MASK
         converged = ~still_masked.any(-1) | (n + 1 >= N)
-        if plan.early_stop:
+        if compiling or plan.early_stop:
             clean_eos = (torch.isin(denoised, r.eos) & (torch.cumsum(still_masked.long(), -1) == 0)).any(-1)
             converged |= clean_eos & t.early_stop[idx]
 
@@ -78,7 +93,7 @@ class MaskedCanvasStep:
         stop = (emitted >= t.max_tokens[idx]) | eos_stop
         block_scores = None
         if scores is not None:
-            block_scores = self._block_scores(idx[scored], is_commit[scored], scores, plan.top_logprobs)
+            block_scores = self._block_scores(idx[scored], is_commit[scored], scores, scores.k)
         r.outputs.emit(idx, canvas, count, (is_commit | is_verify).long(),
                        torch.where(is_commit, n, is_verify.long()), block_scores, scored)
 
@@ -105,7 +120,6 @@ class MaskedCanvasStep:
         r.outputs.add_counters(committed_tokens=(is_commit.long() * C + is_verify.long() * accepted).sum(),
                                denoising_steps=denoising, canvas_positions=denoising * C,
                                canvases=(is_commit | is_verify).long().sum(), forwards=live.long().sum())
-        r.observe("after", "canvas", idx)
 
     def _block_scores(self, slots: torch.Tensor, is_commit: torch.Tensor, scores: Scores, k: int) -> Scores:
         """A commit emits the canvas's reveal-time scores; a verify emits the seed's score, then the causal

@@ -19,6 +19,8 @@ from model.phases import COMMIT, DENOISE, DONE
 from model.sampling import renoise as RN
 from model.sampling.params import DecodeParams
 from model.sampling.stats import value_at
+from model.slots import Scores
+from model.steps.compiled import CompiledUpdate, compile_updates_enabled
 from model.steps.masked import contains_eos
 from model.steps.plan import RowPlan
 
@@ -37,6 +39,7 @@ class RenoiseCanvasStep:
         self.stability = torch.zeros(S, dtype=torch.int64, device=dev)
         self.confidence = torch.zeros(S, device=dev)
         self.self_conditioning = True   # False only to measure what it costs (benchmarks)
+        self.update = CompiledUpdate(self._update, compile_updates_enabled(dev))
 
     def knobs(self, params: DecodeParams) -> dict:
         """The request's schedule knobs over generation_config.json's; ValueError naming a bad one."""
@@ -72,10 +75,8 @@ class RenoiseCanvasStep:
 
     def __call__(self, plan: RowPlan, idx: torch.Tensor, scored: torch.Tensor) -> None:
         r, t, C = self.r, self.r.slots, self.r.C
-        phase, length, canvas, n = t.phase[idx], t.length[idx], t.canvas[idx], t.n[idx]
-        is_denoise, is_commit = phase == DENOISE, phase == COMMIT
-        live = phase != DONE
-        hidden = r.forward(idx, canvas, length, C, is_commit, plan.kv_len, soft=self.soft[idx])
+        length, canvas, n = t.length[idx], t.canvas[idx], t.n[idx]
+        hidden = r.forward(idx, canvas, length, C, t.phase[idx] == COMMIT, plan.kv_len, soft=self.soft[idx])
         x = r.logits(hidden)
         threshold = r.sampler.threshold(x, idx, plan) if plan.filters else None
         step = RN.renoise_step(
@@ -85,29 +86,41 @@ class RenoiseCanvasStep:
             prev_argmax=self.prev_argmax[idx], run=self.run[idx], vocab_start=r.model.vocab_start,
             vocab_size=r.model.config.vocab_size, tp=r.tp, threshold=threshold, soft_dtype=self.soft_dtype,
             softcap=r.model.logit_softcap, passes=r.sampler.passes, probs_dtype=self.soft.dtype)
-        converged = step.converged & is_denoise
         r.observe("before", "canvas", idx, x)
+        if plan.drafting:   # the drafting rows' index, made before the compiled update: made inside it, the
+            r.drafts.rows(plan)   # update's guards would differ between a graph's eager run and its capture
+        scores = None
+        if plan.scored:   # the converged step's distribution scores the committed argmax tokens (SPEC.md 6)
+            x_tok = value_at(x[scored], step.argmax[scored], r.model.vocab_start, r.tp)
+            scores = r.sampler.scores(x, step.stats, x_tok, scored, plan.top_logprobs)
+        soft = r.model.soft_embedding(step.probs) if self.self_conditioning else None
+        self.update(plan, idx, scored, step, scores, soft)
+        r.observe("after", "canvas", idx)
+
+    def _update(self, plan: RowPlan, idx: torch.Tensor, scored: torch.Tensor, step: RN.RenoiseStep,
+                scores: Scores | None, soft: torch.Tensor | None) -> None:
+        """The renoise sampler's decisions kept where the row is in that phase; commit rows emit."""
+        r, t, C = self.r, self.r.slots, self.r.C
+        phase, length, canvas, n = t.phase[idx], t.length[idx], t.canvas[idx], t.n[idx]
+        is_denoise, is_commit = phase == DENOISE, phase == COMMIT
+        live = phase != DONE
+        converged = step.converged & is_denoise
 
         # commit rows emit the canvas (the argmax canvas their last denoise step put in place)
         count = torch.where(is_commit, C, 0)
         emitted = t.emitted[idx] + count
         stop = (emitted >= t.max_tokens[idx]) | (contains_eos(canvas, count, r.eos) & ~t.ignore_eos[idx])
-        block_scores = t.canvas_scores.read(idx[scored], plan.top_logprobs) if plan.scored else None
+        block_scores = t.canvas_scores.read(idx[scored], scores.k) if scores is not None else None
         r.outputs.emit(idx, canvas, count, is_commit.long(), torch.where(is_commit, n, 0), block_scores, scored)
-
-        # the converged step's distribution scores the committed argmax tokens (SPEC.md 6)
-        if plan.scored:
-            x_tok = value_at(x[scored], step.argmax[scored], r.model.vocab_start, r.tp)
-            scores = r.sampler.scores(x, step.stats, x_tok, scored, plan.top_logprobs)
+        if scores is not None:
             t.canvas_scores.write(idx[scored], converged[scored][:, None].expand(-1, C), scores)
 
         denoised = torch.where(converged[:, None], step.argmax, step.canvas)
         t.canvas[idx] = torch.where(is_denoise[:, None], denoised, canvas)
         self.prev_argmax[idx] = torch.where(is_denoise[:, None], step.argmax, self.prev_argmax[idx])
         self.run[idx] = torch.where(is_denoise, step.run, self.run[idx])
-        if self.self_conditioning:
-            soft = r.model.soft_embedding(step.probs).to(self.soft.dtype)
-            self.soft[idx] = torch.where(is_denoise[:, None, None], soft, self.soft[idx])
+        if soft is not None:
+            self.soft[idx] = torch.where(is_denoise[:, None, None], soft.to(self.soft.dtype), self.soft[idx])
         t.n[idx] = torch.where(is_denoise, n + 1, n)
         if plan.drafting:  # the argmax canvas (the sampled one is partly noise), accepted positions known
             r.drafts.record(plan, idx, step.argmax, step.accepted, n + 1, is_denoise, length)
@@ -121,4 +134,3 @@ class RenoiseCanvasStep:
         r.outputs.add_counters(committed_tokens=count.sum(), denoising_steps=denoising,
                                canvas_positions=denoising * C, canvases=is_commit.long().sum(),
                                forwards=live.long().sum())
-        r.observe("after", "canvas", idx)

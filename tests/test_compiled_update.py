@@ -1,0 +1,165 @@
+"""The canvas steps' state updates compiled by torch.compile (model/steps/compiled.py): the runner's
+results bit for bit as written, for both families over a batch that exercises every phase, reveal
+policy, filter, score and draft, and compiled whole (a fallback to the written update fails the test).
+
+Here dynamo traces the update and AOTAutograd functionalises it (backend aot_eager: what breaks a
+whole-graph compile shows up), and the graph runs as torch ops; inductor's own kernels are CUDA's, where
+the runner compiles the updates by default: test_gpu.py runs the same batches compiled against written,
+and every GPU engine and parity test goes through them."""
+import logging
+
+import pytest
+import torch
+
+from model.parallel.group import TPGroup
+from model.sampling.params import DecodeParams
+from model.steps.compiled import CompiledUpdate, compile_updates_enabled
+from workers.scheduler import Scheduler
+from workers.shard_group import build_runner
+
+
+def run(runner, prompts, params) -> list[tuple]:
+    scheduler = Scheduler(runner.slots.num_slots, len(prompts), runner.model.config.eos_token_ids,
+                          runner.max_model_len, runner.C, 8, budget=runner.budget)
+    requests = [scheduler.add(f"r{i}", p, q) for i, (p, q) in enumerate(zip(prompts, params))]
+    for _ in range(400):
+        if all(r.finished for r in requests):
+            break
+        scheduler.apply(runner.execute(scheduler.schedule()))
+    assert all(r.finished for r in requests)
+    runner.execute(scheduler.schedule())   # frees the slots
+    return [(r.output, r.logprobs, r.ranks, r.top_ids, r.top_logprobs, r.denoising_steps, r.canvases,
+             r.finish_reason) for r in requests]
+
+
+NEMOTRON = [
+    DecodeParams(max_tokens=40, temperature=0.7, seed=3, logprobs=2, policy="threshold", threshold=0.5),
+    DecodeParams(max_tokens=33, policy="low_confidence", max_denoising_steps=8, top_k=5, stream_drafts=True,
+                 draft_every=2),
+    DecodeParams(max_tokens=20, policy="leftmost", max_denoising_steps=4, ignore_eos=True, logprobs=0),
+    DecodeParams(max_tokens=50, policy="entropy_bound", entropy_bound=1.0, temperature=1.3, top_p=0.9, seed=8),
+    DecodeParams(max_tokens=30, mode="linear_spec", logprobs=1),
+]
+GEMMA = [
+    DecodeParams(max_tokens=40, seed=3, logprobs=2),
+    DecodeParams(max_tokens=24, seed=4, top_k=5, stream_drafts=True, draft_every=2, max_denoising_steps=6),
+    DecodeParams(max_tokens=16, seed=5, ignore_eos=True, top_p=0.9, entropy_bound=0.5),
+]
+
+BATCHES = {"nemotron": NEMOTRON, "gemma": GEMMA}
+
+
+def batch_prompts(family: str) -> list[list[int]]:
+    vocab = 900 if family == "nemotron" else 500   # below the tiny models' vocabularies
+    return [[2] + [(37 * i + 11 * j) % vocab + 10 for j in range(5 + 3 * i)] for i in range(len(BATCHES[family]))]
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_compiled_update_equals_written(family, tiny_nemotron, tmp_path):
+    from torch._dynamo.utils import counters
+
+    if family == "nemotron":
+        model_dir = tiny_nemotron
+    else:
+        from model.tiny import write_diffusion_gemma
+
+        model_dir = write_diffusion_gemma(tmp_path / "gemma", seed=0)
+    params = BATCHES[family]
+    prompts = batch_prompts(family)
+
+    def runner():
+        return build_runner(str(model_dir), TPGroup(), 4, 256, "float32", "cpu")
+
+    written = runner()
+    assert written.canvas_step.update.compiled is None   # the CPU's default: as written
+    torch._dynamo.reset()   # a fresh limit of variants
+    compiled = runner()
+    compiled.canvas_step.update = CompiledUpdate(compiled.canvas_step._update, on=True, backend="aot_eager")
+    graphs = counters["stats"]["unique_graphs"]
+    expected = run(written, prompts, params)
+    got = run(compiled, prompts, params)
+    assert compiled.canvas_step.update.compiled is not None, "the update fell back to running as written"
+    assert counters["stats"]["unique_graphs"] > graphs
+    assert got == expected
+    assert sum(len(r[0]) for r in expected) >= 80
+
+
+def test_warm_up_compiles_the_common_plans_then_freezes(tiny_nemotron):
+    """A shard's warm-up compiles one row and two, without scores and with k = 2 (4 variants) and leaves
+    no slot in use. Those variants serve any batch size, k >= 2, and every mix of reveal policies, early
+    stops, temperatures, filters and modes (nothing compiles even unfrozen); frozen, the kinds of plan
+    they do not serve (k = 1, drafts) compile nothing either. Results as written throughout."""
+    from torch._dynamo.utils import counters
+
+    def runner():
+        return build_runner(str(tiny_nemotron), TPGroup(), 4, 256, "float32", "cpu")
+
+    written = runner()
+    assert written.warm_up() == 0.0   # nothing compiled on the CPU by default: nothing to warm
+    torch._dynamo.reset()
+    served = runner()
+    update = served.canvas_step.update = CompiledUpdate(served.canvas_step._update, on=True, backend="aot_eager")
+    graphs = counters["stats"]["unique_graphs"]
+    assert served.warm_up() > 0
+    assert counters["stats"]["unique_graphs"] - graphs == 4
+    assert update.frozen and not served.slots.info
+    prompts = batch_prompts("nemotron")[:4]
+
+    update.frozen = False
+    graphs = counters["stats"]["unique_graphs"]
+    mixed = [DecodeParams(max_tokens=40, logprobs=5, temperature=0.7, seed=1),
+             DecodeParams(max_tokens=30, policy="leftmost", top_k=5, logprobs=3),
+             DecodeParams(max_tokens=20, policy="entropy_bound", ignore_eos=True, logprobs=2),
+             DecodeParams(max_tokens=30, mode="linear_spec", logprobs=4)]
+    assert run(served, prompts, mixed) == run(written, prompts, mixed)
+    assert run(served, prompts[:1], [DecodeParams(max_tokens=40, policy="low_confidence")]) == \
+        run(written, prompts[:1], [DecodeParams(max_tokens=40, policy="low_confidence")])
+    assert counters["stats"]["unique_graphs"] == graphs
+
+    update.freeze()
+    others = [DecodeParams(max_tokens=40, logprobs=1, temperature=0.7, seed=1),
+              DecodeParams(max_tokens=30, stream_drafts=True, draft_every=2)]
+    assert run(served, prompts[:2], others) == run(written, prompts[:2], others)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compile_failure_runs_the_update_as_written(caplog):
+    calls = []
+
+    def update(x: torch.Tensor) -> None:
+        calls.append(1)
+        torch._dynamo.graph_break()   # what a host read or an untraceable call does: no whole graph
+        x += 1
+
+    step = CompiledUpdate(update, on=True)
+    x = torch.ones(3)
+    with caplog.at_level(logging.WARNING, logger="dllm.compiled"):
+        step(x)
+        step(x)
+    assert step.compiled is None and calls == [1, 1] and torch.equal(x, torch.full((3,), 3.0))
+    assert len([r for r in caplog.records if "could not compile" in r.message]) == 1
+
+
+def test_the_limit_of_variants_freezes_compiling_and_keeps_what_compiled():
+    torch._dynamo.reset()
+
+    def update(x: torch.Tensor) -> None:
+        x += 1
+
+    step = CompiledUpdate(update, on=True, backend="eager")
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
+              torch.int64, torch.uint8, torch.complex64]   # each a variant: past dynamo's 8
+    xs = [torch.zeros(4, dtype=d) for d in dtypes]
+    for x in xs:
+        step(x)
+    assert step.frozen and step.compiled is not None
+    assert all(torch.equal(x, torch.ones(4, dtype=x.dtype)) for x in xs)
+    step(xs[0])
+    assert torch.equal(xs[0], torch.full((4,), 2.0))
+
+
+def test_compiling_is_on_for_cuda_unless_turned_off(monkeypatch):
+    assert compile_updates_enabled(torch.device("cuda"))
+    assert not compile_updates_enabled(torch.device("cpu"))
+    monkeypatch.setenv("DLLM_COMPILE_UPDATES", "0")
+    assert not compile_updates_enabled(torch.device("cuda"))
