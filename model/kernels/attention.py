@@ -42,25 +42,28 @@ MAX_SPLITS = 16
 MIN_SPLIT_KEYS = 256
 
 
-# (query rows, keys, warps) per program by head dim, for one row / for several (or batch-invariant
-# mode): timed on an H200 at batch 1 and 4 (32 queries over 1088 keys at head dim 128; a 256-token
-# canvas over DiffusionGemma's ring at 256 and its 2048 keys at 512, where the fp32 accumulator
-# [rows, 512] bounds the rows)
-TILES = {128: ((32, 64, 4), (64, 64, 4)), 256: ((64, 32, 4), (128, 32, 8)), 512: ((32, 64, 8), (64, 32, 8))}
+# (query rows, keys, warps, pipeline stages) per program by head dim, for one row / for several (or
+# batch-invariant mode): timed on an H200 at batch 1 and 4 (32 queries over 1088 keys at head dim 128;
+# a 256-token canvas over DiffusionGemma's ring of 1279 at 256 and its 2048 keys at 512, where the fp32
+# accumulator [rows, 512] bounds the rows). A lone canvas at 256: 46.5 us against 55.7 with the
+# previous (64, 32, 4) and 3 splits; at 512: 131 against 149 us with (32, 64, 8) unsplit.
+TILES = {128: ((32, 64, 4, 2), (64, 64, 4, 2)), 256: ((128, 64, 8, 3), (128, 32, 8, 2)),
+         512: ((64, 32, 8, 1), (64, 32, 8, 2))}
 
 
 def _config(d: int, rows: int, batch: int, hkv: int, keys: int, device: torch.device,
-            invariant: bool) -> tuple[int, int, int, int]:
-    """(query rows, keys, warps, splits) per program for `batch` x `hkv` kv heads of `rows` (query,
-    head) pairs each over up to `keys` keys: TILES' first for a lone row (more, smaller programs), the
-    second otherwise; keys split only while the programs are at most half the SMs, into >=
-    MIN_SPLIT_KEYS keys each. Invariant: the second tiles whatever the batch, and one split."""
-    bm, bn, warps = TILES[next(t for t in TILES if d <= t)][1 if invariant or batch > 1 else 0]
+            invariant: bool) -> tuple[int, int, int, int, int]:
+    """(query rows, keys, warps, stages, splits) per program for `batch` x `hkv` kv heads of `rows`
+    (query, head) pairs each over up to `keys` keys: TILES' first for a lone row, the second otherwise;
+    keys split only while the programs are at most half the SMs, into as many splits as fit the SMs
+    once (more make a second wave: 8 splits of a lone canvas at 256 took 66 us against 4's 46.5) and
+    >= MIN_SPLIT_KEYS keys each. Invariant: the second tiles whatever the batch, and one split."""
+    bm, bn, warps, stages = TILES[next(t for t in TILES if d <= t)][1 if invariant or batch > 1 else 0]
     programs = batch * hkv * triton.cdiv(rows, bm)
     sms = sm_count(device)
     if invariant or 2 * programs > sms:
-        return bm, bn, warps, 1
-    return bm, bn, warps, max(1, min(MAX_SPLITS, triton.cdiv(sms, programs), triton.cdiv(keys, MIN_SPLIT_KEYS)))
+        return bm, bn, warps, stages, 1
+    return bm, bn, warps, stages, max(1, min(MAX_SPLITS, sms // programs, triton.cdiv(keys, MIN_SPLIT_KEYS)))
 
 
 @triton.jit
@@ -190,8 +193,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     `window`: the sliding window W, None for none. `keys`: a host-side bound on start + length over
     the rows (the loop's trip count; default: the cache's positions). `splits`: key splits (default:
     from the shapes alone, never from the metadata's values: no sync). `tiles`: (query rows, keys,
-    warps) per program instead of `_config`'s (the tests' small tiles). `invariant`: each row's output
-    independent of the other rows (batch-invariant mode)."""
+    warps[, pipeline stages]) per program instead of `_config`'s (the tests' small tiles; timings).
+    `invariant`: each row's output independent of the other rows (batch-invariant mode)."""
     B, L, hq, D = q.shape
     hkv = k.shape[2]
     assert hq % hkv == 0 and k.shape[-1] == D and v.shape == k.shape, (q.shape, k.shape, v.shape)
@@ -201,8 +204,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     G = hq // hkv
     extent = ring if ring is not None else (keys if keys is not None else k.shape[1])
-    BM, BN, warps, S = _config(D, L * G, B, hkv, extent, q.device, invariant)
-    BM, BN, warps = tiles or (BM, BN, warps)
+    BM, BN, warps, stages, S = _config(D, L * G, B, hkv, extent, q.device, invariant)
+    BM, BN, warps, stages = (*tiles, 2)[:4] if tiles else (BM, BN, warps, stages)
     S = splits or S
     grid_m = triton.cdiv(L * G, BM)
     # iterations per split, rounded up to a power of two so that growing key lengths compile a few times
@@ -222,7 +225,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         L, window or 0, ring or 1, scale * LOG2E, HKV=hkv, G=G, D=D, BLOCK_D=block_d, BM=BM, BN=BN, SPLITS=S,
         ITERS=iters, HAS_WINDOW=window is not None, RING=ring is not None, PRECISION=precision,
-        INTERPRETED=INTERPRETED, num_warps=warps, num_stages=2)
+        INTERPRETED=INTERPRETED, num_warps=warps, num_stages=stages)
     if S > 1:
         _combine_kernel[(grid_m, B * hkv)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), L, B * hkv,
                                            HKV=hkv, G=G, D=D, BLOCK_D=block_d, BM=BM, SPLITS=S, num_warps=warps)
