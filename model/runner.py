@@ -10,10 +10,11 @@ command ends: then model/outputs.py copies every slot's emitted tokens and score
 the slots' lengths and phases in one synchronisation. A slot that finishes mid-command (max_tokens,
 an EOS) turns `done` on the device and idles until the command ends; the events carry each slot's
 bound on the steps it can still run (model/phases.py), by which the scheduler sizes the next command
-so that few steps are spent on idle rows. On CUDA each step replays a graph
-(model/graphs.py), and a canvas step's state update is compiled into a few fused kernels
-(model/steps/compiled.py; `warm_up` compiles the common plans before a shard serves). A runner made with `batch_invariant=True` runs each command, captures included, in
-model.batch_invariant's mode: a slot's results are then the same bits whatever shares its batch.
+so that few steps are spent on idle rows. On CUDA each step replays a graph (model/graphs.py), and a
+canvas step's state update is compiled into a few fused kernels (model/steps/compiled.py; `warm_up`
+compiles the common plans before a shard serves). A runner made with `batch_invariant=True` runs
+each command, captures included, in model.batch_invariant's mode: a slot's results are then the same
+bits whatever shares its batch.
 """
 from __future__ import annotations
 
@@ -127,21 +128,26 @@ class Runner:
             return events
 
     def warm_up(self) -> float:
-        """Before serving, on a runner with no slots in use: runs a canvas step of one row and of two, each
-        without scores and with 2 alternatives a position (the variant every k > 1 shares), so that their
-        state updates compile now (model/steps/compiled.py), then freezes compiling. Does nothing where
-        the updates are not compiled. Returns the seconds it took."""
+        """Before serving, on a runner with no slots in use: runs a canvas step of one row and of two, with
+        none, one or all of them scored at 2 alternatives a position (the variant every k > 1 shares), so
+        that their state updates compile now (model/steps/compiled.py), then freezes compiling. Does
+        nothing where the updates are not compiled. Returns the seconds it took."""
         update = self.canvas_step.update
         if not isinstance(update, CompiledUpdate) or update.compiled is None or self.batch_invariant:
             return 0.0
         assert not self.slots.info, "warm_up runs before any slot is admitted"
         start = time.perf_counter()
         prompt = tuple(range(1, 5))
-        for rows in sorted({1, min(2, self.slots.num_slots)}):
-            for logprobs in (None, 2):
-                params = DecodeParams(max_tokens=1, ignore_eos=True, logprobs=logprobs)
-                self.execute(Command(admit=tuple(NewSlot(s, prompt, params, s) for s in range(rows)), max_steps=1))
-                self.execute(Command(release=tuple(range(rows)), max_steps=0))
+        # dynamo specialises sizes 0 and 1: one row, several rows with one scored, and several with
+        # several scored are each their own variant; one row first, so that the others compile with
+        # sizes symbolic
+        rows = min(2, self.slots.num_slots)
+        kinds = [(None,), (2,)] + ([(None, None), (2, None), (2, 2)] if rows == 2 else [])
+        for logprobs in kinds:
+            news = tuple(NewSlot(s, prompt, DecodeParams(max_tokens=1, ignore_eos=True, logprobs=k), s)
+                         for s, k in enumerate(logprobs))
+            self.execute(Command(admit=news, max_steps=1))
+            self.execute(Command(release=tuple(range(len(news))), max_steps=0))
         update.freeze()
         return time.perf_counter() - start
 

@@ -85,10 +85,11 @@ def test_compiled_update_equals_written(family, tiny_nemotron, tmp_path):
 
 
 def test_warm_up_compiles_the_common_plans_then_freezes(tiny_nemotron):
-    """A shard's warm-up compiles one row and two, without scores and with k = 2 (4 variants) and leaves
-    no slot in use. Those variants serve any batch size, k >= 2, and every mix of reveal policies, early
-    stops, temperatures, filters and modes (nothing compiles even unfrozen); frozen, the kinds of plan
-    they do not serve (k = 1, drafts) compile nothing either. Results as written throughout."""
+    """A shard's warm-up compiles one row and two, with none, one or all scored at k = 2 (5 variants) and
+    leaves no slot in use. Those variants serve any batch size, any scored rows, k >= 2, and every mix
+    of reveal policies, early stops, temperatures, filters and modes (nothing compiles even unfrozen);
+    frozen, the kinds of plan they do not serve (k = 1, drafts) compile nothing either. Results as
+    written throughout."""
     from torch._dynamo.utils import counters
 
     def runner():
@@ -101,7 +102,7 @@ def test_warm_up_compiles_the_common_plans_then_freezes(tiny_nemotron):
     update = served.canvas_step.update = CompiledUpdate(served.canvas_step._update, on=True, backend="aot_eager")
     graphs = counters["stats"]["unique_graphs"]
     assert served.warm_up() > 0
-    assert counters["stats"]["unique_graphs"] - graphs == 4
+    assert counters["stats"]["unique_graphs"] - graphs == 5
     assert update.frozen and not served.slots.info
     prompts = batch_prompts("nemotron")[:4]
 
@@ -114,6 +115,8 @@ def test_warm_up_compiles_the_common_plans_then_freezes(tiny_nemotron):
     assert run(served, prompts, mixed) == run(written, prompts, mixed)
     assert run(served, prompts[:1], [DecodeParams(max_tokens=40, policy="low_confidence")]) == \
         run(written, prompts[:1], [DecodeParams(max_tokens=40, policy="low_confidence")])
+    one_scored = [DecodeParams(max_tokens=40, logprobs=3), DecodeParams(max_tokens=30), DecodeParams(max_tokens=20)]
+    assert run(served, prompts[:3], one_scored) == run(written, prompts[:3], one_scored)
     assert counters["stats"]["unique_graphs"] == graphs
 
     update.freeze()
@@ -138,6 +141,22 @@ def test_compile_failure_runs_the_update_as_written(caplog):
         step(x)
     assert step.compiled is None and calls == [1, 1] and torch.equal(x, torch.full((3,), 3.0))
     assert len([r for r in caplog.records if "could not compile" in r.message]) == 1
+
+
+def test_an_error_from_running_the_update_propagates_without_a_second_run():
+    """Only compiling falls back: an update that fails while it runs (its writes partly done) must not
+    run again on top of them, nor turn compiling off."""
+    def update(x: torch.Tensor, i: torch.Tensor) -> None:
+        x += 1
+        x[i] = 5.0
+
+    step = CompiledUpdate(update, on=True, backend="eager")
+    x = torch.zeros(3)
+    step(x, torch.tensor([0]))
+    assert torch.equal(x, torch.tensor([5.0, 1.0, 1.0]))
+    with pytest.raises((IndexError, RuntimeError)):
+        step(x, torch.tensor([7]))
+    assert torch.equal(x, torch.tensor([6.0, 2.0, 2.0])) and step.compiled is not None
 
 
 def test_the_limit_of_variants_freezes_compiling_and_keeps_what_compiled():

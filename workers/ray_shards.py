@@ -46,6 +46,7 @@ class RayShards:
             address = await self._bounded(self.workers[0].rendezvous_address.remote(), self.start_timeout_s)
             await self._bounded(asyncio.gather(*[w.start.remote(address, self.collective_timeout_s)
                                                  for w in self.workers]), self.start_timeout_s)
+            await self._bounded(asyncio.gather(*[w.warm_up.remote() for w in self.workers]), self.start_timeout_s)
             self.pids = await self._bounded(asyncio.gather(*[w.pid.remote() for w in self.workers]), 30)
         except ShardFailure:
             self.stop()

@@ -53,9 +53,12 @@ class ShardWorker:
         self.runner = build_runner(a["model_dir"], tp, a["num_slots"], a["max_model_len"], a["dtype"],
                                    self.device, a["load_format"], a["max_steps_per_command"],
                                    a["batch_invariant"])
-        # compiles the common steps' updates now, not in a served command (model/steps/compiled.py)
-        self.runner.warm_up()
         return True
+
+    def warm_up(self) -> float:
+        """Compiles the common steps' updates before serving (model/steps/compiled.py), not in a served
+        command. Its steps run collectives, so every rank is started first (RayShards.start)."""
+        return self.runner.warm_up()
 
     def execute(self, cmd: Command) -> Events | None:
         events = self.runner.execute(cmd)

@@ -8,12 +8,12 @@ update holds no collective and no host read, so it compiles whole; the forward, 
 passes and the all-reduces stay outside it.
 
 An update compiles on its first call with a new kind of plan (one row or several; which scores the
-sampler produced; drafts): 15-40 s on the H200 with a cold cache, a few with inductor's on-disk cache
-warm. A served step must not stall that long, so a shard compiles before it serves (`Runner.warm_up`:
-one row and two, without scores and with k = 2) and then `freeze`s: from then on a plan with no
+sampler produced; drafts): 15-40 s on the H200 with a cold cache (inductor's on-disk cache makes a
+restart compile less). A served step must not stall that long, so a shard compiles before it serves (`Runner.warm_up`:
+one row and two, none, one or all scored at k = 2) and then `freeze`s: from then on a plan with no
 compiled update runs it as written (the same results, as fast as before compiling existed). To keep
 the variants few, a compiled masked step computes every reveal policy and the early stop for all rows
-(each row keeps its own), and k comes from the scores' shape, so the four warm variants serve any
+(each row keeps its own), and k comes from the scores' shape, so the five warm variants serve any
 batch size, k >= 2 and every mix of policies, filters and modes.
 Without a warm-up (the in-process Engine, tests) every new kind of plan compiles on first use, up to
 dynamo's limit of variants per function (8), which freezes it the same way.
@@ -48,7 +48,7 @@ class CompiledUpdate:
         self.update = update
         self.compiled = torch.compile(update, dynamic=True, fullgraph=True, backend=backend) if on else None
         self.frozen = False
-        self.compiled_on_cuda = on and backend == "inductor"
+        self.check_capture = on and torch.cuda.is_available()
 
     def freeze(self) -> None:
         """From now on compile nothing: plans with a compiled update use it, others run as written."""
@@ -60,7 +60,7 @@ class CompiledUpdate:
         try:
             # never compile while a CUDA graph is being captured (inductor reads values on the host):
             # a step's capture reuses what its eager first run compiled, or runs as written
-            if self.frozen or (self.compiled_on_cuda and torch.cuda.is_current_stream_capturing()):
+            if self.frozen or (self.check_capture and torch.cuda.is_current_stream_capturing()):
                 with torch.compiler.set_stance("eager_on_recompile"):
                     return self.compiled(*args)
             return self.compiled(*args)
@@ -69,7 +69,9 @@ class CompiledUpdate:
                      getattr(self.update, "__qualname__", self.update))
             self.freeze()
             return self.update(*args)
-        except Exception as err:  # noqa: BLE001 - a compiler failure must not take the server down
+        except torch._dynamo.exc.TorchDynamoException as err:
+            # raised while tracing or compiling, before anything ran (an error from running the update
+            # propagates: running it again would apply its writes twice)
             log.warning("could not compile %s (%s: %s); running it as written",
                         getattr(self.update, "__qualname__", self.update), type(err).__name__, err)
             self.compiled = None
