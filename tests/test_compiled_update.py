@@ -182,3 +182,37 @@ def test_compiling_is_on_for_cuda_unless_turned_off(monkeypatch):
     assert not compile_updates_enabled(torch.device("cpu"))
     monkeypatch.setenv("DLLM_COMPILE_UPDATES", "0")
     assert not compile_updates_enabled(torch.device("cuda"))
+
+
+def test_the_reveals_float_ops_stay_torch_kernels_when_compiled():
+    """Whether a step's update runs compiled depends on the batch's plan; a row's reveal must not. Its
+    float scan (entropy_bound) and log (threshold) reach inductor as opaque ops calling torch's kernels,
+    not as aten.cumsum/aten.log, which inductor would generate its own way."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from model.sampling.reveal import POLICIES, reveal
+
+    graphs = []
+
+    def record(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    masked = torch.rand(3, 8, generator=gen) < 0.7
+    args = dict(confidence=torch.randn(3, 8, generator=gen).clamp(max=0), entropy=torch.rand(3, 8, generator=gen),
+                tau=torch.tensor([0.5, 0.9, 0.3]), gamma=torch.tensor([0.1, 1.0, 0.5]))
+    policy, n, N = torch.tensor([0, 1, 3]), torch.tensor([0, 1, 2]), torch.tensor([4, 4, 4])
+
+    def f(policy, masked, n, N, confidence, entropy, tau, gamma):
+        return reveal(policy, list(POLICIES), masked, n, N, confidence=confidence, entropy=entropy, tau=tau,
+                      gamma=gamma)
+
+    compiled = torch.compile(f, backend=aot_autograd(fw_compiler=record), fullgraph=True)
+    assert torch.equal(compiled(policy, masked, n, N, **args), f(policy, masked, n, N, **args))
+    calls = [(str(node.target), node.meta["val"].dtype) for g in graphs for node in g.graph.nodes
+             if node.op == "call_function" and "val" in node.meta and hasattr(node.meta["val"], "dtype")]
+    names = {name for name, _ in calls}
+    assert {"dllm.reveal_cumsum.default", "dllm.reveal_log.default"} <= names, names
+    assert not [c for c in calls if c[0] in ("aten.cumsum.default", "aten.log.default") and c[1].is_floating_point]

@@ -18,6 +18,30 @@ from model.batch_invariant import row_cumsum
 Policy = Callable[..., torch.Tensor]
 
 
+# A row's reveal must be the same bits whether its step's state update runs compiled or as written
+# (model/steps/compiled.py): which one runs depends on the whole batch's plan, a row's tokens must not.
+# The reveal's two float ops whose kernels inductor would write its own way (a scan's order of
+# additions, a log's rounding) are opaque to torch.compile, so both paths call torch's kernels.
+@torch.library.custom_op("dllm::reveal_cumsum", mutates_args=())
+def _cumsum(x: torch.Tensor) -> torch.Tensor:
+    return row_cumsum(x)
+
+
+@_cumsum.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("dllm::reveal_log", mutates_args=())
+def _log(x: torch.Tensor) -> torch.Tensor:
+    return torch.log(x)
+
+
+@_log.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def _rank_desc(score: torch.Tensor) -> torch.Tensor:
     """0-based rank of each position by score, highest first, lower position first among equals."""
     order = torch.sort(score, dim=-1, descending=True, stable=True).indices
@@ -32,7 +56,7 @@ def _k_per_step(masked: torch.Tensor, n: torch.Tensor, N: torch.Tensor) -> torch
 def threshold(masked, confidence, n, N, tau, **_) -> torch.Tensor:
     """p(x0) >= tau, plus always the single most confident position."""
     best = _rank_desc(torch.where(masked, confidence, -torch.inf)) == 0
-    return masked & ((confidence >= torch.log(tau)[:, None]) | best)
+    return masked & ((confidence >= _log(tau)[:, None]) | best)
 
 
 def low_confidence(masked, confidence, n, N, **_) -> torch.Tensor:
@@ -53,7 +77,7 @@ def entropy_bound(masked, entropy, gamma, **_) -> torch.Tensor:
     order = torch.sort(h, dim=-1, stable=True).indices
     h_sorted = torch.gather(h, -1, order)
     finite = torch.where(torch.isfinite(h_sorted), h_sorted, 0)
-    within = (row_cumsum(finite) - finite) <= gamma[:, None]   # ascending: the prefix max is its last
+    within = (_cumsum(finite) - finite) <= gamma[:, None]   # ascending: the prefix max is its last
     count = (within & torch.isfinite(h_sorted)).sum(-1).clamp(min=1)
     rank = torch.argsort(order, dim=-1)
     return masked & (rank < count[:, None])
