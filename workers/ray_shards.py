@@ -1,7 +1,8 @@
 """The shard group of one model instance as Ray actors in the caller's placement group.
 
-`RayShards.start()` creates one ShardWorker per rank in bundles 1..tp, joins their process group and
-loads weights; `execute(cmd)` sends every rank the same command and returns rank 0's events. Every
+`RayShards.start()` creates one ShardWorker per rank in bundles 1..tp, joins their process group,
+loads weights and, once every rank has, warms them up together (on CUDA: compiles the steps' state
+updates, model/steps/compiled.py); `execute(cmd)` sends every rank the same command and returns rank 0's events. Every
 wait is bounded; any failure (a dead actor, a timeout) is a ShardFailure, after which the group is
 torn down and can be started again.
 """
