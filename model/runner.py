@@ -186,6 +186,8 @@ class Runner:
 
     def _run(self, kind: str, step, slots: list[int], kv_len: int) -> None:
         plan = self._plan(slots, kv_len)
+        if plan.drafting:   # the drafting rows' index, made outside the step: made inside on its first run, it
+            self.drafts.rows(plan)   # would change a compiled update's guards between that run and the capture
         if self.graphs is None or self.observer is not None:
             idx = self.slots.device_index(slots)
             scored = self.slots.device_index(list(plan.scored))

@@ -11,25 +11,19 @@ import logging
 import pytest
 import torch
 
-from model.parallel.group import TPGroup
 from model.sampling.params import DecodeParams
 from model.steps.compiled import CompiledUpdate, compile_updates_enabled
-from workers.scheduler import Scheduler
-from workers.shard_group import build_runner
+from workers.engine import Engine
 
 
-def run(runner, prompts, params) -> list[tuple]:
-    scheduler = Scheduler(runner.slots.num_slots, len(prompts), runner.model.config.eos_token_ids,
-                          runner.max_model_len, runner.C, 8, budget=runner.budget)
-    requests = [scheduler.add(f"r{i}", p, q) for i, (p, q) in enumerate(zip(prompts, params))]
-    for _ in range(400):
-        if all(r.finished for r in requests):
-            break
-        scheduler.apply(runner.execute(scheduler.schedule()))
-    assert all(r.finished for r in requests)
-    runner.execute(scheduler.schedule())   # frees the slots
+def engine(model_dir, device: str = "cpu", dtype: str = "float32") -> Engine:
+    return Engine(str(model_dir), num_slots=4, max_model_len=256, device=device, dtype=dtype)
+
+
+def run(e: Engine, prompts, params) -> list[tuple]:
+    """Each request's tokens, scores, steps and finish reason, run to its end by the in-process engine."""
     return [(r.output, r.logprobs, r.ranks, r.top_ids, r.top_logprobs, r.denoising_steps, r.canvases,
-             r.finish_reason) for r in requests]
+             r.finish_reason) for r in e.generate(prompts, params)]
 
 
 NEMOTRON = [
@@ -67,18 +61,16 @@ def test_compiled_update_equals_written(family, tiny_nemotron, tmp_path):
     params = BATCHES[family]
     prompts = batch_prompts(family)
 
-    def runner():
-        return build_runner(str(model_dir), TPGroup(), 4, 256, "float32", "cpu")
-
-    written = runner()
-    assert written.canvas_step.update.compiled is None   # the CPU's default: as written
+    written = engine(model_dir)
+    assert written.shards.runner.canvas_step.update.compiled is None   # the CPU's default: as written
     torch._dynamo.reset()   # a fresh limit of variants
-    compiled = runner()
-    compiled.canvas_step.update = CompiledUpdate(compiled.canvas_step._update, on=True, backend="aot_eager")
+    compiled = engine(model_dir)
+    step = compiled.shards.runner.canvas_step
+    step.update = CompiledUpdate(step._update, on=True, backend="aot_eager")
     graphs = counters["stats"]["unique_graphs"]
     expected = run(written, prompts, params)
     got = run(compiled, prompts, params)
-    assert compiled.canvas_step.update.compiled is not None, "the update fell back to running as written"
+    assert step.update.compiled is not None, "the update fell back to running as written"
     assert counters["stats"]["unique_graphs"] > graphs
     assert got == expected
     assert sum(len(r[0]) for r in expected) >= 80
@@ -92,18 +84,16 @@ def test_warm_up_compiles_the_common_plans_then_freezes(tiny_nemotron):
     written throughout."""
     from torch._dynamo.utils import counters
 
-    def runner():
-        return build_runner(str(tiny_nemotron), TPGroup(), 4, 256, "float32", "cpu")
-
-    written = runner()
-    assert written.warm_up() == 0.0   # nothing compiled on the CPU by default: nothing to warm
+    written = engine(tiny_nemotron)
+    assert written.shards.runner.warm_up() == 0.0   # nothing compiled on the CPU by default: nothing to warm
     torch._dynamo.reset()
-    served = runner()
-    update = served.canvas_step.update = CompiledUpdate(served.canvas_step._update, on=True, backend="aot_eager")
+    served = engine(tiny_nemotron)
+    runner = served.shards.runner
+    update = runner.canvas_step.update = CompiledUpdate(runner.canvas_step._update, on=True, backend="aot_eager")
     graphs = counters["stats"]["unique_graphs"]
-    assert served.warm_up() > 0
+    assert runner.warm_up() > 0
     assert counters["stats"]["unique_graphs"] - graphs == 5
-    assert update.frozen and not served.slots.info
+    assert update.frozen and not runner.slots.info
     prompts = batch_prompts("nemotron")[:4]
 
     update.frozen = False

@@ -166,19 +166,18 @@ def test_cuda_compiled_updates_equal_written(family, tiny_nemotron, tiny_gemma):
     """The canvas steps' state updates as inductor compiles them on CUDA (the runner's default) against
     as written, both in CUDA graphs, in bf16, on tests/test_compiled_update.py's batches: the same
     tokens, scores, steps and finish reasons."""
-    from model.parallel.group import TPGroup
     from model.steps.compiled import CompiledUpdate
-    from tests.test_compiled_update import BATCHES, batch_prompts, run
-    from workers.shard_group import build_runner
+    from tests.test_compiled_update import BATCHES, batch_prompts, engine, run
 
     model_dir = tiny_nemotron if family == "nemotron" else tiny_gemma
     torch._dynamo.reset()   # a fresh limit of variants, whatever the suite compiled before
-    compiled = build_runner(str(model_dir), TPGroup(), 4, 256, "bfloat16", "cuda")
-    written = build_runner(str(model_dir), TPGroup(), 4, 256, "bfloat16", "cuda")
-    written.canvas_step.update = CompiledUpdate(written.canvas_step._update, on=False)
+    compiled = engine(model_dir, "cuda", "bfloat16")
+    written = engine(model_dir, "cuda", "bfloat16")
+    step = written.shards.runner.canvas_step
+    step.update = CompiledUpdate(step._update, on=False)
     expected = run(written, batch_prompts(family), BATCHES[family])
     got = run(compiled, batch_prompts(family), BATCHES[family])
-    assert compiled.canvas_step.update.compiled is not None, "the update fell back to running as written"
+    assert compiled.shards.runner.canvas_step.update.compiled is not None, "the update fell back to running as written"
     assert got == expected
 
 

@@ -46,6 +46,7 @@ class CompiledUpdate:
 
     def __init__(self, update: Callable[..., None], on: bool, backend: str = "inductor"):
         self.update = update
+        self.name = getattr(update, "__qualname__", repr(update))
         self.compiled = torch.compile(update, dynamic=True, fullgraph=True, backend=backend) if on else None
         self.frozen = False
         self.check_capture = on and torch.cuda.is_available()
@@ -65,14 +66,12 @@ class CompiledUpdate:
                     return self.compiled(*args)
             return self.compiled(*args)
         except RECOMPILE_LIMIT:   # dynamo's limit of variants (raised before running): keep those compiled
-            log.info("%s: dynamo's limit of compiled variants reached; new plans run as written",
-                     getattr(self.update, "__qualname__", self.update))
+            log.info("%s: dynamo's limit of compiled variants reached; new plans run as written", self.name)
             self.freeze()
             return self.update(*args)
         except torch._dynamo.exc.TorchDynamoException as err:
             # raised while tracing or compiling, before anything ran (an error from running the update
             # propagates: running it again would apply its writes twice)
-            log.warning("could not compile %s (%s: %s); running it as written",
-                        getattr(self.update, "__qualname__", self.update), type(err).__name__, err)
+            log.warning("could not compile %s (%s: %s); running it as written", self.name, type(err).__name__, err)
             self.compiled = None
             return self.update(*args)

@@ -45,8 +45,6 @@ class MaskedCanvasStep:
         st = r.sampler.stats(x, idx, plan)
         scores = r.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs) if plan.scored else None
         r.observe("before", "canvas", idx, x)
-        if plan.drafting:   # the drafting rows' index, made before the compiled update: made inside it, the
-            r.drafts.rows(plan)   # update's guards would differ between a graph's eager run and its capture
         self.update(plan, idx, scored, st, scores)
         r.observe("after", "canvas", idx)
 

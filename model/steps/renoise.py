@@ -87,8 +87,6 @@ class RenoiseCanvasStep:
             vocab_size=r.model.config.vocab_size, tp=r.tp, threshold=threshold, soft_dtype=self.soft_dtype,
             softcap=r.model.logit_softcap, passes=r.sampler.passes, probs_dtype=self.soft.dtype)
         r.observe("before", "canvas", idx, x)
-        if plan.drafting:   # the drafting rows' index, made before the compiled update: made inside it, the
-            r.drafts.rows(plan)   # update's guards would differ between a graph's eager run and its capture
         scores = None
         if plan.scored:   # the converged step's distribution scores the committed argmax tokens (SPEC.md 6)
             x_tok = value_at(x[scored], step.argmax[scored], r.model.vocab_start, r.tp)
