@@ -125,7 +125,7 @@ def run(device, dtypes):
             assert ours.dtype == dtype
             err = ((ours.float() - ref).abs() / (ref.abs() + 1)).max().item()
             assert err <= tol, ("combine", dtype, h, err)
-    for (t, k, e, block_m) in ((5, 2, 8, 4), (300, 8, 128, 64)):
+    for (t, k, e, block_m) in ((5, 2, 8, 4), (300, 8, 128, 64), (1100, 8, 128, 64)):  # 1 and 2 SUBs a chunk
         routing_case(t, k, e, block_m, seed=t, device=device)
     print("kernels equal the reference")
 """

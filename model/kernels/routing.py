@@ -1,13 +1,14 @@
 """DiffusionGemma's routing in triton: what torch does in about twenty small kernels a layer (softmax,
 top-k, renormalisation, a radix sort of the (token, expert) pairs, counts, their scan, the grouped
-kernel's tile map twice, the inverse permutation) in four launches.
+kernel's tile map twice, the inverse permutation) in three launches.
 
   route       per token: softmax of the router's scores in fp32, the k largest (ties: the lower id),
               renormalised to sum 1, each times its expert's scale.
   sort_pairs  the pairs t * k + j sorted by expert, stably (pairs of one expert in pair order, as a
-              stable argsort): chunk counts, one program's scan over chunks and experts (which also
-              writes the grouped kernel's tile map: expert and first row of each BM-row tile), then
-              each pair's place. Deterministic: no atomics.
+              stable argsort): per-chunk counts, then each chunk's program sums the counts itself (all
+              chunks' for the experts' starts, the earlier chunks' for its own offsets) and places its
+              pairs, and writes its share of the grouped kernel's tile map (expert and first row of each
+              BM-row tile). No single-program scan between the launches; deterministic: no atomics.
 
 Each token's routing is its own: batch-invariant.
 """
@@ -17,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 128        # pairs per program when counting and placing
-SCAN_ROWS = 32     # chunks (or tiles) the scan program takes at a time
+SUB = 128          # pairs a program takes at a time when counting and placing
+MAX_CHUNKS = 64    # chunks (programs) at most: each places program reads every chunk's counts
+ROWS = 32          # chunks (or tiles) a program takes at a time
 
 
 @triton.jit
@@ -57,62 +59,57 @@ def route(scores: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, P, E, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, P, E, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
     c = tl.program_id(0)
-    i = c * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + i, mask=i < P, other=BLOCK_E)
     e = tl.arange(0, BLOCK_E)
-    counts = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for s0 in range(0, CHUNK, SUB):
+        i = c * CHUNK + s0 + tl.arange(0, SUB)
+        ids = tl.load(ids_ptr + i, mask=i < P, other=BLOCK_E)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)
     tl.store(counts_ptr + c * E + e, counts, mask=e < E)
 
 
 @triton.jit
-def _scan_kernel(counts_ptr, base_ptr, ends_ptr, tile_expert_ptr, tile_row_ptr, C, E, MT, BM: tl.constexpr,
-                 ROWS: tl.constexpr, BLOCK_E: tl.constexpr, C_BOUND: tl.constexpr, MT_BOUND: tl.constexpr):
+def _place_kernel(ids_ptr, counts_ptr, token_ptr, slot_ptr, ends_ptr, tile_expert_ptr, tile_row_ptr, P, E, K, C, MT,
+                  BM: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr,
+                  BLOCK_E: tl.constexpr, C_BOUND: tl.constexpr):
+    c = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     r = tl.arange(0, ROWS)
-    total = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for c0 in range(0, C_BOUND, ROWS):   # each expert's count over all chunks
+    total = tl.zeros((BLOCK_E,), dtype=tl.int32)    # each expert's pairs in all chunks
+    before = tl.zeros((BLOCK_E,), dtype=tl.int32)   # ... in the chunks before this one
+    for c0 in range(0, C_BOUND, ROWS):
         rows = c0 + r
         block = tl.load(counts_ptr + rows[:, None] * E + e[None, :], mask=(rows[:, None] < C) & (e[None, :] < E),
                         other=0)
         total += tl.sum(block, 0)
+        before += tl.sum(tl.where(rows[:, None] < c, block, 0), 0)
     ends = tl.cumsum(total, 0)
     starts = ends - total
-    tl.store(ends_ptr + e, ends, mask=e < E)
-    before = starts   # pairs of each expert in the chunks already walked, plus those of lower experts
-    for c0 in range(0, C_BOUND, ROWS):
-        rows = c0 + r
-        inside = (rows[:, None] < C) & (e[None, :] < E)
-        block = tl.load(counts_ptr + rows[:, None] * E + e[None, :], mask=inside, other=0)
-        tl.store(base_ptr + rows[:, None] * E + e[None, :], before[None, :] + tl.cumsum(block, 0) - block,
-                 mask=inside)
-        before += tl.sum(block, 0)
-    # the tile map: tile t belongs to the expert whose tiles end after it (E: a spare tile)
+    if c == 0:
+        tl.store(ends_ptr + e, ends, mask=e < E)
+    if c < C:   # this chunk's pairs: after the lower experts', the earlier chunks' and its own earlier pairs
+        base = starts + before
+        for s0 in range(0, CHUNK, SUB):
+            i = c * CHUNK + s0 + tl.arange(0, SUB)
+            ids = tl.load(ids_ptr + i, mask=i < P, other=BLOCK_E)
+            onehot = (ids[:, None] == e[None, :]).to(tl.int32)
+            earlier = tl.cumsum(onehot, 0) - onehot
+            place = tl.sum(onehot * (earlier + base[None, :]), 1)
+            tl.store(slot_ptr + i, place.to(tl.int64), mask=i < P)
+            tl.store(token_ptr + place, (i // K).to(tl.int64), mask=i < P)
+            base += tl.sum(onehot, 0)
+    # tiles c * ROWS + r of the map: tile t belongs to the expert whose tiles end after it (E: a spare tile)
     per = (total + BM - 1) // BM
     tile_end = tl.cumsum(per, 0)
     first_tile = tile_end - per
-    for t0 in range(0, MT_BOUND, ROWS):
-        t = t0 + r
-        expert = tl.sum((tile_end[None, :] <= t[:, None]) & (e[None, :] < E), 1)
-        mine = e[None, :] == tl.minimum(expert, E - 1)[:, None]
-        row = tl.sum(tl.where(mine, starts[None, :] + (t[:, None] - first_tile[None, :]) * BM, 0), 1)
-        tl.store(tile_expert_ptr + t, expert, mask=t < MT)
-        tl.store(tile_row_ptr + t, row, mask=t < MT)
-
-
-@triton.jit
-def _place_kernel(ids_ptr, base_ptr, token_ptr, slot_ptr, P, E, K, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
-    c = tl.program_id(0)
-    i = c * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + i, mask=i < P, other=BLOCK_E)
-    e = tl.arange(0, BLOCK_E)
-    onehot = (ids[:, None] == e[None, :]).to(tl.int32)
-    earlier = tl.cumsum(onehot, 0) - onehot          # this chunk's earlier pairs of the same expert
-    base = tl.load(base_ptr + c * E + e, mask=e < E, other=0)
-    place = tl.sum(onehot * (earlier + base[None, :]), 1)
-    tl.store(slot_ptr + i, place.to(tl.int64), mask=i < P)
-    tl.store(token_ptr + place, (i // K).to(tl.int64), mask=i < P)
+    t = c * ROWS + r
+    expert = tl.sum((tile_end[None, :] <= t[:, None]) & (e[None, :] < E), 1)
+    mine = e[None, :] == tl.minimum(expert, E - 1)[:, None]
+    row = tl.sum(tl.where(mine, starts[None, :] + (t[:, None] - first_tile[None, :]) * BM, 0), 1)
+    tl.store(tile_expert_ptr + t, expert, mask=t < MT)
+    tl.store(tile_row_ptr + t, row, mask=t < MT)
 
 
 def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
@@ -122,20 +119,20 @@ def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
     t, k = ids.shape
     p, e, dev = t * k, num_experts, ids.device
     flat = ids.reshape(-1).contiguous()
-    chunks = triton.cdiv(p, CHUNK)
+    # chunks of whole SUBs, at most MAX_CHUNKS of them: the counts every placing program reads stay small
+    chunk = SUB * triton.cdiv(triton.cdiv(p, MAX_CHUNKS), SUB)
+    chunks = triton.cdiv(p, chunk)
     block_e = triton.next_power_of_2(e)
-    counts = torch.empty(chunks, e, dtype=torch.int32, device=dev)
-    base = torch.empty(chunks, e, dtype=torch.int32, device=dev)
-    ends = torch.empty(e, dtype=torch.int32, device=dev)
     mt = triton.cdiv(p, block_m) + e
+    counts = torch.empty(chunks, e, dtype=torch.int32, device=dev)
+    ends = torch.empty(e, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(mt, dtype=torch.int32, device=dev)
     tile_row = torch.empty(mt, dtype=torch.int32, device=dev)
     token = torch.empty(p, dtype=torch.int64, device=dev)
     slot = torch.empty(p, dtype=torch.int64, device=dev)
-    _count_kernel[(chunks,)](flat, counts, p, e, CHUNK=CHUNK, BLOCK_E=block_e, num_warps=4)
+    _count_kernel[(chunks,)](flat, counts, p, e, CHUNK=chunk, SUB=SUB, BLOCK_E=block_e, num_warps=4)
     # loop bounds are compile-time (the interpreter needs them so), powers of two: few variants
-    _scan_kernel[(1,)](counts, base, ends, tile_expert, tile_row, chunks, e, mt, BM=block_m, ROWS=SCAN_ROWS,
-                       BLOCK_E=block_e, C_BOUND=triton.next_power_of_2(chunks), MT_BOUND=triton.next_power_of_2(mt),
-                       num_warps=4)
-    _place_kernel[(chunks,)](flat, base, token, slot, p, e, k, CHUNK=CHUNK, BLOCK_E=block_e, num_warps=4)
+    _place_kernel[(max(chunks, triton.cdiv(mt, ROWS)),)](
+        flat, counts, token, slot, ends, tile_expert, tile_row, p, e, k, chunks, mt, BM=block_m, CHUNK=chunk, SUB=SUB,
+        ROWS=ROWS, BLOCK_E=block_e, C_BOUND=triton.next_power_of_2(chunks), num_warps=4)
     return token, slot, ends, tile_expert, tile_row
