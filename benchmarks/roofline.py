@@ -93,7 +93,8 @@ def run_requests(runner: Runner, prompts: list[list[int]], params: DecodeParams)
     return {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall, "denoising_steps": denoising,
             "denoising_steps_per_s": denoising / wall, "steps": sum(steps), "commands": steps,
             "command_walls_s": walls,
-            "steady_step_s": sum(walls[1:]) / max(sum(steps[1:]), 1)}
+            # None where every step ran in the first command (it holds the prefill: not a steady step)
+            "steady_step_s": sum(walls[1:]) / sum(steps[1:]) if sum(steps[1:]) else None}
 
 
 def timed(runner: Runner, prompts, params) -> dict:
