@@ -10,7 +10,8 @@ from ONE run on one GPU, dummy weights in bf16.
   P3  our committed tok/s / transformers' DiffusionGemmaForBlockDiffusion.generate on the 26B-A4B shape,
       batch 1, canvas 256, 16 forced steps, 1024-token prompt, 256 and 768 new tokens
   P4  committed tok/s at 16 concurrent requests / at 1 (8B, canvas 32)
-  SC  DiffusionGemma step time with self-conditioning / without (TP = 1)
+  SC  DiffusionGemma step time with self-conditioning / without (TP = 1; as P1 for it, the medians of
+      5 requests each, alternating)
   BI  batch-invariant mode's step time / the default's (8B at batch 1 and 16; 26B-A4B at batch 1)
 plus torch.profiler's top kernels of a step of each family.
 
@@ -22,6 +23,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,6 +39,7 @@ from workers.shard_group import build_runner
 
 STEPS_PER_COMMAND = 32
 SERVED_REPEATS = 3     # P2 takes the median request: one request's wall is at the mercy of a hiccup
+STEADY_REPEATS = 5     # DiffusionGemma's P1 and SC: medians of this many requests with and without
 
 
 # ---- measurements --------------------------------------------------------------------------------
@@ -218,13 +221,22 @@ def diffusion_gemma(work: Path, bandwidth: float, result: dict, skip: set[str]) 
     runner = build_runner(str(model_dir), _tp1(), 1, 2048, "bfloat16", "cuda", "dummy", STEPS_PER_COMMAND)
     floor_s = floor_bytes(runner.model) / bandwidth
     ours = {n: timed(runner, [prompt], DecodeParams(max_tokens=n, **fixed)) for n in (256, 768)}
+    # P1 and SC: a 768-token request's steady state is one command of ~19 steps, at the mercy of the GPU's
+    # clock in that moment; so the median of STEADY_REPEATS requests each, with and without alternating
+    steady = {True: [], False: []}
     runner.renoise.self_conditioning = False
-    without = timed(runner, [prompt], DecodeParams(max_tokens=768, **fixed))
+    run_requests(runner, [prompt], DecodeParams(max_tokens=768, **fixed))   # captures its graphs
+    for _ in range(STEADY_REPEATS):
+        for on in (True, False):
+            runner.renoise.self_conditioning = on
+            steady[on].append(run_requests(runner, [prompt], DecodeParams(max_tokens=768, **fixed))["steady_step_s"])
     runner.renoise.self_conditioning = True
+    with_sc, without_sc = statistics.median(steady[True]), statistics.median(steady[False])
     result["diffusion_gemma_26b"] = {"floor_bytes": floor_bytes(runner.model), "floor_s": floor_s, "ours": ours,
-                                     "without_self_conditioning": without}
-    result["P1_diffusion_gemma"] = ours[768]["steady_step_s"] / floor_s
-    result["SC"] = ours[768]["steady_step_s"] / without["steady_step_s"]
+                                     "steady_step_s": {"with_self_conditioning": steady[True],
+                                                       "without_self_conditioning": steady[False]}}
+    result["P1_diffusion_gemma"] = with_sc / floor_s
+    result["SC"] = with_sc / without_sc
     if "profile" not in skip:
         result["diffusion_gemma_26b"]["profile"] = profile_step(runner, prompt, DecodeParams(max_tokens=768, **fixed))
     del runner
