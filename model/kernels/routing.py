@@ -119,8 +119,9 @@ def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
     t, k = ids.shape
     p, e, dev = t * k, num_experts, ids.device
     flat = ids.reshape(-1).contiguous()
-    # chunks of whole SUBs, at most MAX_CHUNKS of them: the counts every placing program reads stay small
-    chunk = SUB * triton.cdiv(triton.cdiv(p, MAX_CHUNKS), SUB)
+    # at most MAX_CHUNKS chunks, so the counts every placing program reads stay few; a power-of-two
+    # number of SUBs each (a compile-time size: few variants over the batch sizes)
+    chunk = max(SUB, triton.next_power_of_2(triton.cdiv(p, MAX_CHUNKS)))
     chunks = triton.cdiv(p, chunk)
     block_e = triton.next_power_of_2(e)
     mt = triton.cdiv(p, block_m) + e
