@@ -221,15 +221,16 @@ def diffusion_gemma(work: Path, bandwidth: float, result: dict, skip: set[str]) 
     runner = build_runner(str(model_dir), _tp1(), 1, 2048, "bfloat16", "cuda", "dummy", STEPS_PER_COMMAND)
     floor_s = floor_bytes(runner.model) / bandwidth
     ours = {n: timed(runner, [prompt], DecodeParams(max_tokens=n, **fixed)) for n in (256, 768)}
+    long = DecodeParams(max_tokens=768, **fixed)
     # P1 and SC: a 768-token request's steady state is one command of ~19 steps, at the mercy of the GPU's
     # clock in that moment; so the median of STEADY_REPEATS requests each, with and without alternating
     steady = {True: [], False: []}
     runner.renoise.self_conditioning = False
-    run_requests(runner, [prompt], DecodeParams(max_tokens=768, **fixed))   # captures its graphs
+    run_requests(runner, [prompt], long)   # captures its graphs
     for _ in range(STEADY_REPEATS):
         for on in (True, False):
             runner.renoise.self_conditioning = on
-            steady[on].append(run_requests(runner, [prompt], DecodeParams(max_tokens=768, **fixed))["steady_step_s"])
+            steady[on].append(run_requests(runner, [prompt], long)["steady_step_s"])
     runner.renoise.self_conditioning = True
     with_sc, without_sc = statistics.median(steady[True]), statistics.median(steady[False])
     result["diffusion_gemma_26b"] = {"floor_bytes": floor_bytes(runner.model), "floor_s": floor_s, "ours": ours,
@@ -238,13 +239,13 @@ def diffusion_gemma(work: Path, bandwidth: float, result: dict, skip: set[str]) 
     result["P1_diffusion_gemma"] = with_sc / floor_s
     result["SC"] = with_sc / without_sc
     if "profile" not in skip:
-        result["diffusion_gemma_26b"]["profile"] = profile_step(runner, prompt, DecodeParams(max_tokens=768, **fixed))
+        result["diffusion_gemma_26b"]["profile"] = profile_step(runner, prompt, long)
     del runner
     free_cuda()
     if "invariant" not in skip:
         runner = build_runner(str(model_dir), _tp1(), 1, 2048, "bfloat16", "cuda", "dummy", STEPS_PER_COMMAND,
                               batch_invariant=True)
-        inv = timed(runner, [prompt], DecodeParams(max_tokens=768, **fixed))
+        inv = timed(runner, [prompt], long)
         result["diffusion_gemma_26b"]["batch_invariant"] = inv
         result["BI_diffusion_gemma"] = inv["steady_step_s"] / ours[768]["steady_step_s"]
         del runner

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 SUB = 128          # pairs a program takes at a time when counting and placing
-MAX_CHUNKS = 64    # chunks (programs) at most: each places program reads every chunk's counts
+MAX_CHUNKS = 64    # chunks (programs) at most: each placing program reads every chunk's counts
 ROWS = 32          # chunks (or tiles) a program takes at a time
 
 
