@@ -12,8 +12,10 @@ from ONE run on one GPU, dummy weights in bf16.
   P4  committed tok/s at 16 concurrent requests / at 1 (8B, canvas 32)
   SC  DiffusionGemma step time with self-conditioning / without (TP = 1; as P1 for it, the medians of
       5 requests each, alternating)
-  BI  batch-invariant mode's step time / the default's (8B at batch 1 and 16; 26B-A4B at batch 1)
-plus torch.profiler's top kernels of a step of each family.
+  BI  batch-invariant mode's step time / the default's (8B at batch 1 and 16; 26B-A4B at batch 1, as
+      its P1: the median of 5 requests over the default's median)
+plus torch.profiler's top kernels of a step of each family (DiffusionGemma's with and without
+self-conditioning, and the kernels whose time differs between the two: what SC's extra time is).
 
     python3 -m benchmarks.roofline [--out result.json] [--skip served,transformers,profile,invariant]
 """
@@ -134,7 +136,16 @@ def profile_step(runner: Runner, prompt: list[int], params: DecodeParams, top: i
     # "## ..." entries are annotations of ranges (a compiled chain's call) on the GPU timeline, not kernels
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and not e.key.startswith("## ")]
     ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.device_type == DeviceType.CPU]
-    return {"kernels": listing(kernels, False), "ops": listing(ops, True)}
+    return {"kernels": listing(kernels, False), "ops": listing(ops, True),
+            "per_kernel_ms": {e.key: e.self_device_time_total / 1e3 / 4 for e in kernels}}
+
+
+def profile_difference(a: dict, b: dict, top: int = 15) -> list[dict]:
+    """The kernels whose time per step differs most between two profiles (a - b), and the total."""
+    ka, kb = a["per_kernel_ms"], b["per_kernel_ms"]
+    diff = {k: ka.get(k, 0.0) - kb.get(k, 0.0) for k in ka.keys() | kb.keys()}
+    rows = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]
+    return [{"name": k[:70], "ms": round(v, 4)} for k, v in rows] + [{"name": "all", "ms": sum(diff.values())}]
 
 
 def free_cuda() -> None:
@@ -238,16 +249,23 @@ def diffusion_gemma(work: Path, bandwidth: float, result: dict, skip: set[str]) 
                                                        "without_self_conditioning": steady[False]}}
     result["P1_diffusion_gemma"] = with_sc / floor_s
     result["SC"] = with_sc / without_sc
-    if "profile" not in skip:
-        result["diffusion_gemma_26b"]["profile"] = profile_step(runner, prompt, long)
+    if "profile" not in skip:   # both ways: what self-conditioning costs beyond its P W GEMM
+        runner.renoise.self_conditioning = False
+        without = profile_step(runner, prompt, long)
+        runner.renoise.self_conditioning = True
+        profile = profile_step(runner, prompt, long)
+        result["diffusion_gemma_26b"]["profile"] = profile
+        result["diffusion_gemma_26b"]["profile_without_self_conditioning"] = without
+        result["diffusion_gemma_26b"]["self_conditioning_kernels_ms"] = profile_difference(profile, without)
     del runner
     free_cuda()
     if "invariant" not in skip:
         runner = build_runner(str(model_dir), _tp1(), 1, 2048, "bfloat16", "cuda", "dummy", STEPS_PER_COMMAND,
                               batch_invariant=True)
-        inv = timed(runner, [prompt], long)
-        result["diffusion_gemma_26b"]["batch_invariant"] = inv
-        result["BI_diffusion_gemma"] = inv["steady_step_s"] / ours[768]["steady_step_s"]
+        run_requests(runner, [prompt], long)   # captures its graphs
+        inv = [run_requests(runner, [prompt], long)["steady_step_s"] for _ in range(STEADY_REPEATS)]
+        result["diffusion_gemma_26b"]["batch_invariant_steady_step_s"] = inv
+        result["BI_diffusion_gemma"] = statistics.median(inv) / with_sc
         del runner
         free_cuda()
     if "transformers" not in skip:
