@@ -111,8 +111,7 @@ class Runner:
             steps = cmd.max_steps
             for k in range(steps):
                 if k == 0 and admitted:
-                    self.causal.prefill(admitted, [self.slots.info[s] for s in admitted],
-                                        self._plan(admitted, max(len(self.slots.info[s].prompt) for s in admitted)))
+                    self.causal.prefill(admitted)
                 if canvas:
                     self._run("canvas", self.canvas_step, canvas, self._keys(canvas, admitted, steps, self.C))
                 if ar:
@@ -181,11 +180,11 @@ class Runner:
         growth = -(-steps // 2) * self.C if width == self.C else steps + 1
         return bucket(start + growth + width, self.kv.max_len)
 
-    def _plan(self, slots: list[int], kv_len: int):
+    def plan(self, slots: list[int], kv_len: int):
         return plan_rows([self.slots.info[s] for s in slots], kv_len, self.family)
 
     def _run(self, kind: str, step, slots: list[int], kv_len: int) -> None:
-        plan = self._plan(slots, kv_len)
+        plan = self.plan(slots, kv_len)
         if plan.drafting:   # the drafting rows' index, made outside the step: made inside on its first run, it
             self.drafts.rows(plan)   # would change a compiled update's guards between that run and the capture
         if self.graphs is None or self.observer is not None:

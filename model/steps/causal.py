@@ -2,15 +2,15 @@
 causal pass's last prediction starts — the seed of a masked canvas, the first draft's seed of linear
 speculation, or an emitted AR token.
 
-The prefill runs eagerly in a command's first step (its width is the longest new prompt); AR steps
-are device ops only, like canvas steps.
+The prefill runs in a command's first step: eager at the longest new prompt's width, or on CUDA a
+graph's replay at a padded width (model/graphs.py); AR steps are device ops only, like canvas steps.
 """
 from __future__ import annotations
 
 import torch
 
+from model.graphs import PREFILL_GRAPH_TOKENS, prefill_width
 from model.phases import AR, DENOISE, DONE, DRAFT
-from model.slots import SlotInfo
 from model.steps.plan import RowPlan
 
 
@@ -18,35 +18,50 @@ class CausalSteps:
     def __init__(self, runner):
         self.r = runner
 
-    def prefill(self, slots: list[int], infos: list[SlotInfo], plan: RowPlan) -> None:
+    def prefill(self, slots: list[int]) -> None:
+        """The prompts of newly admitted `slots`, in one causal pass; on CUDA a graph's replay up to
+        PREFILL_GRAPH_TOKENS (model/graphs.py), the prompts padded to its width."""
         r, t = self.r, self.r.slots
+        infos = [t.info[s] for s in slots]
+        longest = max(len(i.prompt) for i in infos)
+        width = prefill_width(longest, r.kv.max_len)
+        graphed = r.graphs is not None and r.observer is None and len(slots) * width <= PREFILL_GRAPH_TOKENS
+        width = width if graphed else longest
+        plan = r.plan(slots, width)
         pinned = r.device.type == "cuda"
-        prompts = [i.prompt for i in infos]
-        width = max(len(p) for p in prompts)
-        host = torch.zeros(len(prompts), width, dtype=torch.int64, pin_memory=pinned)
-        for i, p in enumerate(prompts):
-            host[i, : len(p)] = torch.tensor(p)
-        lengths_host = torch.tensor([len(p) for p in prompts], dtype=torch.int64, pin_memory=pinned)
-        idx = t.device_index(slots)
-        lengths = lengths_host.to(r.device, non_blocking=True)
-        tokens = host.to(r.device, non_blocking=True)
-        causal = torch.ones(len(slots), dtype=torch.bool, device=r.device)
+        tokens = torch.zeros(len(slots), width, dtype=torch.int64, pin_memory=pinned)
+        for row, info in enumerate(infos):
+            tokens[row, : len(info.prompt)] = torch.tensor(info.prompt)
+        host = (torch.tensor(slots, dtype=torch.int64, pin_memory=pinned),
+                torch.tensor(list(plan.scored), dtype=torch.int64, pin_memory=pinned), tokens,
+                torch.tensor([len(i.prompt) for i in infos], dtype=torch.int64, pin_memory=pinned),
+                torch.tensor([[i.params.mode == m for m in ("diffusion", "linear_spec", "ar")] for i in infos],
+                             dtype=torch.bool, pin_memory=pinned))
+        step = lambda *inputs: self._prefill(plan, *inputs)   # noqa: E731
+        if graphed:
+            r.graphs.run(("prefill", plan), step, *r.graphs.static_inputs(("prefill", plan), *host))
+        else:
+            step(*(h.to(r.device, non_blocking=True) for h in host))
+
+    def _prefill(self, plan: RowPlan, idx: torch.Tensor, scored: torch.Tensor, tokens: torch.Tensor,
+                 lengths: torch.Tensor, modes: torch.Tensor) -> None:
+        """Rows idx of `tokens` [B, width] (real up to `lengths`), modes [B, 3] (diffusion, linear_spec,
+        ar): their KV, then what their last position predicts. Device ops only."""
+        r, t = self.r, self.r.slots
+        causal = torch.ones_like(idx, dtype=torch.bool)
+        width = tokens.shape[1]
         hidden = r.forward(idx, tokens, torch.zeros_like(lengths), width, causal, width, lengths=lengths, fresh=True)
         t.length[idx] = lengths
-        r.outputs.add_counters(forwards=len(slots))
+        r.outputs.add_counters(forwards=len(idx))
         if r.renoise is not None:  # a uniform-noise canvas needs no prediction from the prefix
-            r.renoise.start(idx, torch.ones_like(causal))
+            r.renoise.start(idx, causal)
             return
-        last = hidden[torch.arange(len(slots), device=r.device), lengths - 1]
+        last = hidden[torch.arange(len(idx), device=r.device), lengths - 1]
         x = r.logits(last[:, None])
         st = r.sampler.stats(x, idx, plan)
-        scored = t.device_index(list(plan.scored))
         scores = r.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs) if plan.scored else None
         r.observe("before", "prefill", idx, x)
-        modes = [i.params.mode for i in infos]
-        flags = torch.tensor([[m == "diffusion", m == "linear_spec", m == "ar"] for m in modes], dtype=torch.bool,
-                             pin_memory=pinned).to(r.device, non_blocking=True)
-        self.after_causal(idx, st.sample[:, 0], scores, scored, flags[:, 0], flags[:, 1], flags[:, 2])
+        self.after_causal(idx, st.sample[:, 0], scores, scored, modes[:, 0], modes[:, 1], modes[:, 2])
         t.draws[idx] += 1
         r.observe("after", "prefill", idx)
 

@@ -1,0 +1,76 @@
+"""Prefills padded to a CUDA graph's width (model/graphs.py) change no real row. On the CPU the runner
+gets a stand-in for StepGraphs that runs every step eagerly, so it pads its prefills as it does under
+CUDA graphs; real graphs (captured, replayed) are tests/test_gpu.py's."""
+import pytest
+import torch
+
+from model.graphs import KEY_BUCKET, PREFILL_GRAPH_TOKENS, prefill_width
+from model.sampling.params import DecodeParams
+from workers.engine import Engine
+
+
+class EagerGraphs:
+    """StepGraphs' interface, every step run eagerly; records the keys it ran."""
+
+    def __init__(self):
+        self.keys = []
+
+    def static_inputs(self, key, *host):
+        return tuple(h.clone() for h in host)
+
+    def index_inputs(self, key, idx, scored):
+        return tuple(torch.tensor(v, dtype=torch.int64) for v in (idx, scored))
+
+    def run(self, key, step, *inputs):
+        self.keys.append(key)
+        step(*inputs)
+
+
+def test_prefill_widths():
+    assert [prefill_width(n, 4096) for n in (1, 2, 16, 17, 33, 200, 256)] == [16, 16, 16, 32, 64, 256, 256]
+    assert [prefill_width(n, 4096) for n in (257, 512, 513, 1000)] == [512, 512, 768, 1024]
+    # never past the cache, never short of the prompt
+    assert prefill_width(20, 24) == 24 and prefill_width(300, 300) == 300
+    assert all(n <= prefill_width(n, 2048) <= max(16, 2 * n, n + KEY_BUCKET - 1) for n in range(1, 2048))
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory):
+    from model.tiny import write_diffusion_gemma
+
+    return write_diffusion_gemma(tmp_path_factory.mktemp("gemma-prefill"), seed=0)
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_padded_prefill_equals_unpadded(family, tiny_nemotron, tiny_gemma):
+    """In fp32, prompts of 5 and 9 tokens alone and together, each prefill padded to 16: the same tokens,
+    logprobs and top alternatives as the runner that prefills at the prompts' own widths."""
+    model_dir, bos = (tiny_nemotron, 1) if family == "nemotron" else (tiny_gemma, 2)
+    prompts = [[bos, 50, 60, 70, 80], [bos] + list(range(300, 308))]
+    params = DecodeParams(seed=3, max_tokens=24, ignore_eos=True, logprobs=2)
+
+    def generate(graphs):
+        with Engine(model_dir, num_slots=2, max_model_len=128, dtype="float32") as e:
+            e.shards.runner.graphs = graphs
+            alone = [e.generate([p], [params])[0] for p in prompts]
+            together = e.generate(prompts, [params, params])
+        return alone + together
+
+    padded = EagerGraphs()
+    got, expected = generate(padded), generate(None)
+    widths = {(key[1].rows, key[1].kv_len) for key in padded.keys if key[0] == "prefill"}
+    assert widths == {(1, 16), (2, 16)}
+    for g, e in zip(got, expected):
+        assert g.output == e.output and g.ranks == e.ranks
+        assert max(abs(a - b) for a, b in zip(g.logprobs, e.logprobs)) < 1e-4
+        assert g.top_ids == e.top_ids
+
+
+def test_a_long_prefill_is_not_padded(tiny_nemotron):
+    """Past PREFILL_GRAPH_TOKENS (rows x width) a prefill runs eagerly at its prompts' own width."""
+    rows = 2
+    long = PREFILL_GRAPH_TOKENS // rows + 1
+    with Engine(tiny_nemotron, num_slots=rows, max_model_len=long + 64) as e:
+        e.shards.runner.graphs = graphs = EagerGraphs()
+        e.generate([[1] + [7] * (long - 1)] * rows, DecodeParams(max_tokens=1, ignore_eos=True))
+    assert not [key for key in graphs.keys if key[0] == "prefill"]
