@@ -25,10 +25,13 @@ IDLE, DENOISE, COMMIT, DRAFT, VERIFY, AR, DONE = range(7)
 @dataclass(frozen=True)
 class StepBudget:
     """canvas_length: C; default_canvas_steps: the family's denoising steps per canvas when a request
-    sets none (DiffusionGemma's generation_config); None for masked diffusion, whose default is C."""
+    sets none (DiffusionGemma's generation_config); None for masked diffusion, whose default is C.
+    The bound counts a commit step after every canvas, but DiffusionGemma's last (model/steps/renoise.py)."""
 
     canvas_length: int
     default_canvas_steps: int | None = None
+    # uniform-noise diffusion emits the request's last canvas when it converges, without a commit step
+    last_canvas_commits: bool = True
 
     @classmethod
     def of_model(cls, model_dir: str | Path) -> "StepBudget":
@@ -37,7 +40,7 @@ class StepBudget:
         if cfg.family != "diffusion-gemma":
             return cls(cfg.canvas_length)
         defaults = RenoiseDefaults.from_generation(load_generation_defaults(model_dir))
-        return cls(cfg.canvas_length, defaults.max_denoising_steps)
+        return cls(cfg.canvas_length, defaults.max_denoising_steps, last_canvas_commits=False)
 
     def canvas_steps(self, p: DecodeParams) -> int:
         """N: the most denoising steps one canvas takes (the runner's per-slot steps_limit)."""
@@ -66,4 +69,6 @@ class StepBudget:
         N, C = self.canvas_steps(p), self.canvas_length
         later = -(-remaining // C) - 1            # canvases after the one in progress
         current = 1 if phase == COMMIT else max(N - n, 1) + 1
-        return current + later * (N + 1)
+        steps = current + later * (N + 1)
+        last_commit_skipped = not self.last_canvas_commits and (later > 0 or phase != COMMIT)
+        return steps - last_commit_skipped

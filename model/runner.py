@@ -79,7 +79,8 @@ class Runner:
             self.renoise = RenoiseCanvasStep(self, renoise_defaults, cfg.hidden_size, dtype)
         self.canvas_step = self.renoise or MaskedCanvasStep(self)
         # each slot's steps_limit, and the bound on its remaining steps reported with every command's events
-        self.budget = StepBudget(self.C, renoise_defaults.max_denoising_steps if self.renoise else None)
+        self.budget = StepBudget(self.C, renoise_defaults.max_denoising_steps, last_canvas_commits=False) \
+            if self.renoise else StepBudget(self.C)
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = StepGraphs(self.device) if use_graphs else None
         # tests watch steps through this: observer(event, kind, idx, logits) before ("before", with the

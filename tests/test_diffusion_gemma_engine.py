@@ -47,7 +47,7 @@ def test_engine_generation_equals_transformers_generate(engine, tiny_gemma, monk
 
 def test_fixed_schedule_commits_canvas_over_steps_tokens_per_step(tmp_path):
     """SPEC.md 8: canvas_length 256, max_denoising_steps 16, confidence_threshold 0 -> exactly 16
-    committed tokens per denoising step and 16 steps per canvas."""
+    committed tokens per denoising step and 16 steps per canvas; no commit forward after the last."""
     from model.tiny import write_diffusion_gemma
 
     model_dir = write_diffusion_gemma(tmp_path / "c256", seed=1, canvas_length=256)
@@ -58,6 +58,8 @@ def test_fixed_schedule_commits_canvas_over_steps_tokens_per_step(tmp_path):
         c = e.scheduler.counters
     assert all(len(r.output) == 512 and r.canvases == 2 and r.denoising_steps == 32 for r in requests)
     assert c.committed_tokens / c.denoising_steps == 16 and c.denoising_steps / c.canvases == 16
+    # forwards: each request's prefill, its denoising steps, and one commit (its last canvas emits at once)
+    assert c.forwards == 2 * (1 + 32 + 1)
 
 
 def test_request_alone_equals_request_among_neighbours(engine):

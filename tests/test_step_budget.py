@@ -11,7 +11,7 @@ from workers.engine import Engine
 
 
 def test_bounds_by_phase():
-    masked, gemma = StepBudget(32), StepBudget(256, default_canvas_steps=48)
+    masked, gemma = StepBudget(32), StepBudget(256, default_canvas_steps=48, last_canvas_commits=False)
     p = DecodeParams(max_tokens=70, max_denoising_steps=8)       # 3 canvases of 32, 8 steps each
     assert masked.canvas_steps(p) == 8 and masked.canvas_steps(DecodeParams(max_tokens=1)) == 32
     assert masked.at_admission(p) == 3 * 9
@@ -19,7 +19,11 @@ def test_bounds_by_phase():
     assert masked.left(p, COMMIT, n=2, emitted=64) == 1                     # converged early: its commit
     assert masked.left(p, DONE, n=0, emitted=64) == 0
     assert gemma.canvas_steps(DecodeParams(max_tokens=1)) == 48
-    assert gemma.at_admission(DecodeParams(max_tokens=768, max_denoising_steps=16)) == 3 * 17
+    # DiffusionGemma's last canvas emits when it converges: no commit step after it
+    g = DecodeParams(max_tokens=768, max_denoising_steps=16)
+    assert gemma.at_admission(g) == 3 * 17 - 1
+    assert gemma.left(g, DENOISE, n=3, emitted=256) == (16 - 3 + 1) + 16
+    assert gemma.left(g, DENOISE, n=15, emitted=512) == 1 and gemma.left(g, COMMIT, n=16, emitted=256) == 1 + 16
     ar = DecodeParams(max_tokens=10, mode="ar")
     assert masked.at_admission(ar) == 9 and masked.left(ar, AR, n=0, emitted=4) == 6
     assert masked.at_admission(DecodeParams(max_tokens=1, mode="ar")) == 1
@@ -81,16 +85,17 @@ def test_bound_holds_for_the_real_runner(case, tiny_nemotron, tiny_gemma):
 
 
 def test_commands_end_when_every_slot_is_done(tiny_gemma):
-    """Forced steps: a request of 2 canvases of 4 steps takes 2 x (4 + 1) steps; with commands of up
-    to 64 steps none is spent after it is done, and a neighbour's longer request sets the length."""
+    """Forced steps: a request of 2 canvases of 4 steps takes 4 + 1 + 4 steps (the last canvas emits
+    without a commit); with commands of up to 64 steps none is spent after it is done, and a
+    neighbour's longer request sets the length."""
     with Engine(tiny_gemma, num_slots=2, max_model_len=256, max_steps_per_command=64) as engine:
         run = engine.shards.execute
         sizes = []
         engine.shards.execute = lambda cmd: sizes.append(cmd.max_steps) or run(cmd)
         forced = dict(ignore_eos=True, max_denoising_steps=4, confidence_threshold=0, seed=1)
         engine.generate([prompt(1, 7)], DecodeParams(max_tokens=32, **forced))
-        assert sizes == [10]
+        assert sizes == [9]
         sizes.clear()
         engine.generate([prompt(1, 7), prompt(2, 9)], [DecodeParams(max_tokens=16, **forced),
                                                          DecodeParams(max_tokens=48, **forced)])
-        assert sizes == [15]
+        assert sizes == [14]

@@ -5,7 +5,9 @@ self-conditioning signal, and each request's schedule knobs.
     start    a canvas of uniform random tokens, no self-conditioning signal (one draw)
     denoise  the renoise sampler (model.sampling.renoise) keeps accepted samples and renoises the rest;
              soft' = softmax(logits / T) @ W * sqrt(H) feeds the next step; on convergence the argmax
-             canvas is put in place, scored by that step's distribution -> commit
+             canvas is put in place, scored by that step's distribution -> commit; a canvas that ends
+             the request (max_tokens reached, or an EOS in it) is emitted at once -> done: its commit's
+             forward would only write KV that no step reads
     commit   emit the canvas; stop at max_tokens or an EOS -> done, else start the next canvas
 
 One forward over every row (causal for commit rows), device ops only, like the masked family's step.
@@ -97,21 +99,29 @@ class RenoiseCanvasStep:
 
     def _update(self, plan: RowPlan, idx: torch.Tensor, scored: torch.Tensor, step: RN.RenoiseStep,
                 scores: Scores | None, soft: torch.Tensor | None) -> None:
-        """The renoise sampler's decisions kept where the row is in that phase; commit rows emit."""
+        """The renoise sampler's decisions kept where the row is in that phase; commit rows, and denoise
+        rows whose canvas converged and ends the request, emit."""
         r, t, C = self.r, self.r.slots, self.r.C
         phase, length, canvas, n = t.phase[idx], t.length[idx], t.canvas[idx], t.n[idx]
         is_denoise, is_commit = phase == DENOISE, phase == COMMIT
         live = phase != DONE
         converged = step.converged & is_denoise
-
-        # commit rows emit the canvas (the argmax canvas their last denoise step put in place)
-        count = torch.where(is_commit, C, 0)
-        emitted = t.emitted[idx] + count
-        stop = (emitted >= t.max_tokens[idx]) | (contains_eos(canvas, count, r.eos) & ~t.ignore_eos[idx])
-        block_scores = t.canvas_scores.read(idx[scored], scores.k) if scores is not None else None
-        r.outputs.emit(idx, canvas, count, is_commit.long(), torch.where(is_commit, n, 0), block_scores, scored)
         if scores is not None:
             t.canvas_scores.write(idx[scored], converged[scored][:, None].expand(-1, C), scores)
+        # a converged canvas that ends the request emits now (it skips its commit); commit rows emit
+        # the canvas their last denoise step put in place
+        max_tokens, stops_at_eos = t.max_tokens[idx], ~t.ignore_eos[idx]
+        whole = torch.full_like(n, C)
+        ends = (t.emitted[idx] + C >= max_tokens) | (contains_eos(step.argmax, whole, r.eos) & stops_at_eos)
+        final = converged & ends
+        emitting = is_commit | final
+        out = torch.where(final[:, None], step.argmax, canvas)
+        count = torch.where(emitting, C, 0)
+        emitted = t.emitted[idx] + count
+        stop = (emitted >= max_tokens) | (contains_eos(out, count, r.eos) & stops_at_eos)
+        block_scores = t.canvas_scores.read(idx[scored], scores.k) if scores is not None else None
+        r.outputs.emit(idx, out, count, emitting.long(), torch.where(is_commit, n, torch.where(final, n + 1, 0)),
+                       block_scores, scored)
 
         denoised = torch.where(converged[:, None], step.argmax, step.canvas)
         t.canvas[idx] = torch.where(is_denoise[:, None], denoised, canvas)
@@ -122,13 +132,13 @@ class RenoiseCanvasStep:
         t.n[idx] = torch.where(is_denoise, n + 1, n)
         if plan.drafting:  # the argmax canvas (the sampled one is partly noise), accepted positions known
             r.drafts.record(plan, idx, step.argmax, step.accepted, n + 1, is_denoise, length)
-        t.phase[idx] = torch.where(converged, COMMIT, torch.where(is_commit & stop, DONE, phase))
-        t.length[idx] = length + count
+        t.phase[idx] = torch.where(converged & ~final, COMMIT, torch.where(emitting & stop, DONE, phase))
+        t.length[idx] = length + torch.where(is_commit, C, 0)   # a commit's forward wrote the canvas's KV
         t.emitted[idx] = emitted
         # a denoise step draws once; a commit's draw starts the next canvas
         t.draws[idx] += is_denoise.long()
         self.start(idx, is_commit & ~stop)
         denoising = is_denoise.long().sum()
         r.outputs.add_counters(committed_tokens=count.sum(), denoising_steps=denoising,
-                               canvas_positions=denoising * C, canvases=is_commit.long().sum(),
+                               canvas_positions=denoising * C, canvases=emitting.long().sum(),
                                forwards=live.long().sum())
