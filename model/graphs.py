@@ -27,7 +27,9 @@ import torch
 from model.attention import StepContext, ring_view, sliding_window_mask
 
 KEY_BUCKET = 256
-PREFILL_GRAPH_TOKENS = 4096   # beyond this a prefill's kernels outweigh their launches: eager, unpadded
+# larger prefills run eagerly, unpadded: their launches weigh less next to their kernels, and a graph of
+# each width would keep its activations' peak in the graphs' pool (not tuned: measured at 1024 tokens)
+PREFILL_GRAPH_TOKENS = 4096
 
 
 def device_context(kv, meta: torch.Tensor, width: int, kv_len: int, window: int | None = None,
