@@ -44,11 +44,12 @@ MIN_SPLIT_KEYS = 256
 
 # (query rows, keys, warps, pipeline stages) per program by head dim, for one row / for several (or
 # batch-invariant mode): timed on an H200 at batch 1 and 4 (32 queries over 1088 keys at head dim 128;
-# a 256-token canvas over DiffusionGemma's ring of 1279 at 256 and its 2048 keys at 512, where the fp32
-# accumulator [rows, 512] bounds the rows). A lone canvas at 256: 46.5 us against 55.7 with the
-# previous (64, 32, 4) and 3 splits; at 512: 131 against 149 us with (32, 64, 8) unsplit.
-TILES = {128: ((32, 64, 4, 2), (64, 64, 4, 2)), 256: ((128, 64, 8, 3), (128, 32, 8, 2)),
-         512: ((64, 32, 8, 1), (64, 32, 8, 2))}
+# a 256-token canvas over DiffusionGemma's ring of 1279 at 256 and its 1280-2048 keys at 512, where the
+# fp32 accumulator [rows, 512] bounds the rows). The lone-canvas tiles at 256 and 512 were last chosen
+# in one CUDA graph of a 26B-A4B step's 30 attention calls, each layer its own cache: 1557 us against
+# 1637 with (128, 64, 8, 3) / (64, 32, 8, 1) at 1280 keys, 1728 against 1860 at 2048 (2026-12-04).
+TILES = {128: ((32, 64, 4, 2), (64, 64, 4, 2)), 256: ((128, 64, 8, 2), (128, 32, 8, 2)),
+         512: ((64, 64, 8, 1), (64, 32, 8, 2))}
 
 
 def _config(d: int, rows: int, batch: int, hkv: int, keys: int, device: torch.device,
