@@ -41,6 +41,6 @@ serve: $(STAMP)
 	MODEL="$(MODEL)" TP="$(TP)" PORT="$(PORT)" $(PY) scripts/serve_local.py $(ARGS)
 
 # On the GPU host, like test-gpu: the roofline ratios of the README's speed table from one run (about
-# 7.5 minutes on one H200; Ray from the offline bundle for the served measurement).
+# 6-7.5 minutes on one H200; Ray from the offline bundle for the served measurement).
 bench:
 	python3 -m benchmarks.roofline $(ARGS)
