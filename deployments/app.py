@@ -200,6 +200,10 @@ class OpenAIIngress:
             params = body.decode_params(self.defaults)
         except ParamError as err:
             raise APIError(400, err.message, param=err.param) from None
+        limit = self.args.denoising_steps_limit   # the server's own default is within it (AppArgs)
+        if params.max_denoising_steps is not None and params.max_denoising_steps > limit:
+            raise APIError(400, f"max_denoising_steps={params.max_denoising_steps} is above this server's "
+                                f"denoising_steps_limit={limit}", param="diffusion.max_denoising_steps")
         if params.top_k >= self.model_vocab_size:  # keeps every token: no filter, and no [.., top_k] buffers
             params = params.model_copy(update={"top_k": 0})
         if len(prompt) >= self.args.max_model_len:

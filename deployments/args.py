@@ -43,6 +43,11 @@ class AppArgs(BaseModel):
     threshold: float = Field(0.9, gt=0, le=1)
     entropy_bound: float | None = Field(None, gt=0, description="None: 0.1, or DiffusionGemma's generation_config")
     max_denoising_steps: int | None = Field(None, ge=1)
+    # A request's work is bounded by max_model_len (its canvases) times its steps per canvas, which
+    # masked diffusion caps at the canvas length and DiffusionGemma does not: without this bound one
+    # request could hold a slot until request_timeout_s and end in a 503 instead of a 400.
+    denoising_steps_limit: int = Field(1024, ge=1, description="the most denoising steps per canvas a request "
+                                       "may set (diffusion.max_denoising_steps; a 400 beyond)")
     # DiffusionGemma's renoise sampler; None: the checkpoint's generation_config.json
     t_min: float | None = Field(None, ge=0)
     t_max: float | None = Field(None, gt=0)
@@ -53,6 +58,13 @@ class AppArgs(BaseModel):
     def _invariance_needs_cuda(self) -> "AppArgs":
         if self.batch_invariant and not self.use_gpu():
             raise ValueError("batch_invariant=true needs device=cuda (its fixed-order kernels are triton's)")
+        return self
+
+    @model_validator(mode="after")
+    def _default_steps_within_the_limit(self) -> "AppArgs":
+        if self.max_denoising_steps is not None and self.max_denoising_steps > self.denoising_steps_limit:
+            raise ValueError(f"max_denoising_steps={self.max_denoising_steps} is above denoising_steps_limit="
+                             f"{self.denoising_steps_limit}")
         return self
 
     def model_dir(self) -> str:

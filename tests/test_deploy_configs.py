@@ -101,6 +101,12 @@ def test_command_line_strings_are_coerced(tmp_path):
     assert AppArgs(tensor_parallel_size="2", threshold="0.5").tensor_parallel_size == 2
 
 
+def test_the_default_denoising_steps_stay_within_the_limit():
+    with pytest.raises(pydantic.ValidationError, match="denoising_steps_limit=1024"):
+        AppArgs(max_denoising_steps=2000)
+    assert AppArgs(max_denoising_steps=2000, denoising_steps_limit=4096).max_denoising_steps == 2000
+
+
 def test_unknown_app_argument_is_a_pydantic_error_naming_it(tmp_path):
     with pytest.raises(pydantic.ValidationError) as info:
         build_app({"model": str(tmp_path), "tensor_paralel_size": 2})

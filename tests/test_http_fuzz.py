@@ -22,6 +22,7 @@ from tests.serve_harness import assert_openai_error, health, serving
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 64
+STEPS_LIMIT = 64   # the servers' denoising_steps_limit: a random valid request stays seconds long on a CPU
 # per app, path and generation mode (8 combinations): a fixed sequence in `make test` (a regression
 # suite that cannot pass or fail by luck), fresh random ones under -m reliability
 FUZZ_EXAMPLES = {"fixed": 100, "random": 1000}
@@ -32,7 +33,8 @@ tally = collections.Counter()  # the figures the module reports at its end
 
 @pytest.fixture(scope="module")
 def server(tiny_nemotron, tmp_path_factory):
-    common = dict(served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, max_queue=64)
+    common = dict(served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, max_queue=64,
+                  denoising_steps_limit=STEPS_LIMIT)
     gemma = write_diffusion_gemma(tmp_path_factory.mktemp("tiny-gemma-fuzz"), seed=0)
     with serving({"nemotron": build_app(dict(common, model=str(tiny_nemotron))),
                   "gemma": build_app(dict(common, model=str(gemma)))}) as port:
@@ -129,6 +131,10 @@ BAD = [
      "diffusion.confidence_threshold"),
     ("max_denoising_steps 10^30", C, OK | {"diffusion": {"max_denoising_steps": 10**30}}, None, 400,
      "diffusion.max_denoising_steps"),
+    # work: DiffusionGemma runs every step a request sets (a random one asked for 1234435 and held its slot
+    # until the client gave up); each family answers a 400 above the server's limit
+    ("max_denoising_steps > denoising_steps_limit", CHAT,
+     OK_CHAT | {"diffusion": {"max_denoising_steps": STEPS_LIMIT + 1}}, None, 400, "diffusion.max_denoising_steps"),
     ("5000-digit integer", C, raw_json('{"model": "tiny", "prompt": "hi", "max_tokens": ' + "9" * 5000 + "}"),
      None, 400, None),
     # NaN and Infinity: not JSON, but Python's json reads them
@@ -159,6 +165,17 @@ BAD = [
     ("text/plain", C, json.dumps(OK).encode(), "text/plain", 400, None),
     ("form content type", C, b"model=tiny&prompt=hi", "application/x-www-form-urlencoded", 400, None),
 ]
+
+
+@pytest.mark.parametrize("app", ["nemotron", "gemma"])
+def test_denoising_steps_up_to_the_limit_are_served(server, app):
+    body = OK | {"ignore_eos": True, "diffusion": {"max_denoising_steps": STEPS_LIMIT, "confidence_threshold": 0}}
+    r = post(server, app, C, body)
+    check_response(r, C, body)
+    usage = r.json()["usage"]
+    assert r.status_code == 200 and usage["completion_tokens"] == OK["max_tokens"], r.text[:300]
+    if app == "gemma":   # confidence_threshold 0: every one of the canvas's steps runs
+        assert usage["diffusion"]["denoising_steps"] == STEPS_LIMIT, usage
 
 
 @pytest.mark.parametrize("app", ["nemotron", "gemma"])
