@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.shapes import write_diffusion_gemma_shapes, write_shapes
+from model.checkpoint import RunnerArgs
 from model.protocol import Command, NewSlot
 from model.runner import Runner
 from model.sampling.params import DecodeParams
 from workers.scheduler import Scheduler
-from workers.shard_group import build_runner
 
 STEPS_PER_COMMAND = 32
 SERVED_REPEATS = 3     # P2 takes the median request: one request's wall is at the mercy of a hiccup
@@ -66,7 +66,7 @@ def floor_bytes(model) -> int:
     """Bytes one forward must read: every parameter, except an untied input embedding table (only the
     rows of the step's tokens are read)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if model.config.family == "nemotron-ld":
+    if not model.config.tie_word_embeddings:
         total -= model.encoder.embed_tokens.weight.numel() * model.encoder.embed_tokens.weight.element_size()
     return total
 
@@ -163,7 +163,7 @@ def nemotron(work: Path, bandwidth: float, result: dict, skip: set[str]) -> None
     params = DecodeParams(temperature=0, max_tokens=32 * canvases, ignore_eos=True, policy="low_confidence",
                           max_denoising_steps=32, seed_first_position=False)
     prompt = [1] + list(range(1000, 1015))
-    runner = build_runner(str(model_dir), _tp1(), 16, 1024, "bfloat16", "cuda", "dummy", STEPS_PER_COMMAND)
+    runner = runner_of(model_dir, 16, 1024)
     floor_s = floor_bytes(runner.model) / bandwidth
     one = timed(runner, [prompt], params)
     many = timed(runner, [prompt[:-1] + [2000 + i] for i in range(16)], params)
@@ -176,8 +176,7 @@ def nemotron(work: Path, bandwidth: float, result: dict, skip: set[str]) -> None
     del runner
     free_cuda()
     if "invariant" not in skip:
-        runner = build_runner(str(model_dir), _tp1(), 16, 1024, "bfloat16", "cuda", "dummy", STEPS_PER_COMMAND,
-                              batch_invariant=True)
+        runner = runner_of(model_dir, 16, 1024, batch_invariant=True)
         inv = {"batch1": timed(runner, [prompt], params),
                "batch16": timed(runner, [prompt[:-1] + [2000 + i] for i in range(16)], params)}
         result["nemotron_8b"]["batch_invariant"] = inv
@@ -232,20 +231,20 @@ def diffusion_gemma(work: Path, bandwidth: float, result: dict, skip: set[str]) 
     gen = torch.Generator().manual_seed(0)
     prompt = [2] + torch.randint(10, 262144, (1023,), generator=gen).tolist()
     fixed = dict(seed=1, ignore_eos=True, max_denoising_steps=16, confidence_threshold=0.0)
-    runner = build_runner(str(model_dir), _tp1(), 1, 2048, "bfloat16", "cuda", "dummy", STEPS_PER_COMMAND)
+    runner = runner_of(model_dir, 1, 2048)
     floor_s = floor_bytes(runner.model) / bandwidth
     ours = {n: timed(runner, [prompt], DecodeParams(max_tokens=n, **fixed)) for n in (256, 768)}
     long = DecodeParams(max_tokens=768, **fixed)
     # P1 and SC: a 768-token request's steady state is one command of ~19 steps, at the mercy of the GPU's
     # clock in that moment; so the median of STEADY_REPEATS requests each, with and without alternating
     steady = {True: [], False: []}
-    runner.renoise.self_conditioning = False
+    runner.canvas_step.self_conditioning = False
     run_requests(runner, [prompt], long)   # captures its graphs
     for _ in range(STEADY_REPEATS):
         for on in (True, False):
-            runner.renoise.self_conditioning = on
+            runner.canvas_step.self_conditioning = on
             steady[on].append(run_requests(runner, [prompt], long)["steady_step_s"])
-    runner.renoise.self_conditioning = True
+    runner.canvas_step.self_conditioning = True
     with_sc, without_sc = statistics.median(steady[True]), statistics.median(steady[False])
     result["diffusion_gemma_26b"] = {"floor_bytes": floor_bytes(runner.model), "floor_s": floor_s, "ours": ours,
                                      "steady_step_s": {"with_self_conditioning": steady[True],
@@ -253,9 +252,9 @@ def diffusion_gemma(work: Path, bandwidth: float, result: dict, skip: set[str]) 
     result["P1_diffusion_gemma"] = with_sc / floor_s
     result["SC"] = with_sc / without_sc
     if "profile" not in skip:   # both ways: what self-conditioning costs beyond its P W GEMM
-        runner.renoise.self_conditioning = False
+        runner.canvas_step.self_conditioning = False
         without = profile_step(runner, prompt, long)
-        runner.renoise.self_conditioning = True
+        runner.canvas_step.self_conditioning = True
         profile = profile_step(runner, prompt, long)
         result["diffusion_gemma_26b"]["profile"] = profile
         result["diffusion_gemma_26b"]["profile_without_self_conditioning"] = without
@@ -263,8 +262,7 @@ def diffusion_gemma(work: Path, bandwidth: float, result: dict, skip: set[str]) 
     del runner
     free_cuda()
     if "invariant" not in skip:
-        runner = build_runner(str(model_dir), _tp1(), 1, 2048, "bfloat16", "cuda", "dummy", STEPS_PER_COMMAND,
-                              batch_invariant=True)
+        runner = runner_of(model_dir, 1, 2048, batch_invariant=True)
         run_requests(runner, [prompt], long)   # captures its graphs
         inv = [run_requests(runner, [prompt], long)["steady_step_s"] for _ in range(STEADY_REPEATS)]
         result["diffusion_gemma_26b"]["batch_invariant_steady_step_s"] = inv
@@ -306,10 +304,12 @@ def transformers_generate(model_dir: Path, prompt: list[int], fixed: dict) -> di
     return out
 
 
-def _tp1():
-    from model.parallel.group import TPGroup
-
-    return TPGroup()
+def runner_of(model_dir: Path, num_slots: int, max_model_len: int, batch_invariant: bool = False) -> Runner:
+    """A bare bf16 runner of the dummy full-size shape on one GPU."""
+    return Runner.from_checkpoint(RunnerArgs.read(model_dir, num_slots=num_slots, max_model_len=max_model_len,
+                                                  dtype="bfloat16", device="cuda", load_format="dummy",
+                                                  max_steps_per_command=STEPS_PER_COMMAND,
+                                                  batch_invariant=batch_invariant))
 
 
 def main() -> None:

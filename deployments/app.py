@@ -37,7 +37,8 @@ from deployments.protocol import (ChatChoice, ChatCompletionRequest, ChatComplet
                                   CompletionChoice, CompletionRequest, CompletionResponse,
                                   CompletionStreamResponse, ModelCard, ModelList, ParamError, Usage, error_body,
                                   validation_error_param)
-from model.config import RenoiseDefaults, load_generation_defaults, load_model_config
+from model.checkpoint import load_model_config
+from model.config import RenoiseDefaults, load_generation_defaults
 from workers.serve_coordinator import CoordinatorDeployment, placement_bundles
 
 app = FastAPI(title="dllm-serve", docs_url=None, redoc_url=None)

@@ -108,18 +108,43 @@ class StepContext:
         for s, n in zip(starts, lengths):
             if not 0 < n <= width or s + n > kv.max_len:
                 raise ValueError(f"segment [{s}, {s + n}) does not fit width {width} / max_len {kv.max_len}")
-        from model.graphs import device_context  # the one builder (it also serves CUDA graphs)
-
         meta = torch.tensor([slots, starts, lengths, [int(c) for c in causal]], dtype=torch.int64, device=device)
         kv_len = min(max(s + width for s in starts), kv.max_len)
         return device_context(kv, meta, width, kv_len, window, fresh=all(s == 0 for s in starts))[0]
+
+
+def device_context(kv, meta: torch.Tensor, width: int, kv_len: int, window: int | None = None,
+                   fresh: bool = False) -> tuple[StepContext, torch.Tensor]:
+    """The StepContext of rows described by `meta` [4, B] (slots, starts, lengths, causal), computed
+    with device ops only (no host values, so it can be captured). Returns it and positions [B, width].
+    `window`: the sliding window of sliding-attention layers (DiffusionGemma), None for none;
+    `fresh`: every row starts at 0 (a prefill), so attention reads the step's own keys."""
+    slot, start, length, causal = meta[0], meta[1], meta[2], meta[3].bool()
+    i = torch.arange(width, device=meta.device)
+    pos = start[:, None] + i[None, :]
+    real = i[None, :] < length[:, None]
+    write = torch.where(real, slot[:, None] * kv.max_len + pos, kv.sink)
+    j = torch.arange(kv_len, device=meta.device)[None, None, :]
+    first, end = start[:, None, None], (start + length)[:, None, None]
+    in_segment = (j >= first) & (j < end)
+    visible = (j < first) | (in_segment & (~causal[:, None, None] | (j <= pos[:, :, None])))
+    window_mask = None if window is None else sliding_window_mask(visible, pos, start, real, causal, window)
+    ring = None
+    if getattr(kv, "ring_len", None):
+        if not fresh and width > kv.ring_len:
+            raise ValueError(f"a step of width {width} after a prefill does not fit the ring of {kv.ring_len}")
+        ring = ring_view(kv, slot, start, length, pos, real, causal, width, window, fresh)
+    ctx = StepContext(kv=kv, slots=slot, write_index=write.flatten(), kv_len=kv_len, mask=visible.unsqueeze(1),
+                      window_mask=window_mask, causal_rows=causal, fresh=fresh, ring=ring, starts=start,
+                      lengths=length, window=window)
+    return ctx, pos
 
 
 def sliding_window_mask(visible: torch.Tensor, token_pos: torch.Tensor, start: torch.Tensor, real: torch.Tensor,
                         causal: torch.Tensor, window: int) -> torch.Tensor:
     """The sliding layers' mask [B, 1, L, K] from the full one `visible` [B, L, K], the rows' token
     positions [B, L], starts [B], real (non-padding) tokens [B, L] and causal flags [B]. Device ops only
-    (a CUDA graph can capture it, as model.graphs.device_context computes its masks)."""
+    (a CUDA graph can capture it, as device_context computes its masks)."""
     if window < 1:
         raise ValueError(f"sliding window {window} must be >= 1")
     j = torch.arange(visible.shape[-1], device=visible.device)[None, None, :]

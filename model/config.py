@@ -114,10 +114,6 @@ class NemotronLabsDiffusionConfig(_CheckpointConfig):
         return self
 
     @property
-    def family(self) -> str:
-        return "nemotron-ld"
-
-    @property
     def head_size(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
@@ -245,10 +241,6 @@ class DiffusionGemmaConfig(_CheckpointConfig):
         return self
 
     @property
-    def family(self) -> str:
-        return "diffusion-gemma"
-
-    @property
     def mask_token_id(self) -> None:
         """No mask token: a canvas starts as uniform random tokens and is renoised uniformly (SPEC 4)."""
         return None
@@ -327,12 +319,10 @@ class RenoiseDefaults(_Frozen):
         try:
             return cls.model_validate(data)
         except ValidationError as err:
-            raise ValueError(_format_validation_error("generation_config.json", err)) from None
+            raise ValueError(format_validation_error("generation_config.json", err)) from None
 
 
 ModelConfig = NemotronLabsDiffusionConfig | DiffusionGemmaConfig
-SUPPORTED_MODEL_TYPES: dict[str, type[_Frozen]] = {"nemotron_labs_diffusion": NemotronLabsDiffusionConfig,
-                                                   "diffusion_gemma": DiffusionGemmaConfig}
 
 
 class GenerationDefaults(BaseModel):
@@ -350,31 +340,12 @@ class GenerationDefaults(BaseModel):
     max_new_tokens: PositiveInt | None = None
 
 
-def _format_validation_error(source: str, err: ValidationError) -> str:
+def format_validation_error(source: str, err: ValidationError) -> str:
     parts = []
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "(root)"
         parts.append(f"{field}: {e['msg']}")
     return f"{source}: " + "; ".join(parts)
-
-
-def parse_model_config(data: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    model_type = data.get("model_type")
-    cls = SUPPORTED_MODEL_TYPES.get(model_type)
-    if cls is None:
-        raise ValueError(f"{source}: unsupported model_type {model_type!r}; supported: "
-                         f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
-    try:
-        return cls.model_validate(data)
-    except ValidationError as err:
-        raise ValueError(_format_validation_error(source, err)) from None
-
-
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no config.json in {model_dir}")
-    return parse_model_config(json.loads(path.read_text()), str(path))
 
 
 def load_generation_defaults(model_dir: str | Path) -> GenerationDefaults:
@@ -384,4 +355,4 @@ def load_generation_defaults(model_dir: str | Path) -> GenerationDefaults:
     try:
         return GenerationDefaults.model_validate(json.loads(path.read_text()))
     except ValidationError as err:
-        raise ValueError(_format_validation_error(str(path), err)) from None
+        raise ValueError(format_validation_error(str(path), err)) from None

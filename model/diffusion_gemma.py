@@ -37,6 +37,7 @@ from model.batch_invariant import linear, row_sum, softmax
 from model.config import FULL, SLIDING, DiffusionGemmaConfig, LayerRope
 from model.fused import (add_gemma_rms_norm, gelu_mul, gemma_feedforward_inputs, gemma_feedforward_out,
                          gemma_qkv, gemma_rms_norm)
+from model.interface import KVLayout
 from model.parallel.group import TPGroup
 from model.parallel.linear import (MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_into,
                                    divide, new_param, read_slice)
@@ -422,6 +423,10 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
     @property
     def sliding_window(self) -> int:
         return self.config.sliding_window
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(tuple(self.kv_layer_shapes), tuple(self.kv_layer_sliding), self.sliding_window)
 
     @property
     def vocab_start(self) -> int:

@@ -16,7 +16,8 @@ its tokens, lengths and modes copied in with its indices. Eager, the 26B-A4B Dif
 compiled chains launched from Python. Padding changes no real row: a padded position writes the KV
 cache's sink, and a real query never sees it.
 
-`device_context` builds a step's attention context from device tensors only, so it is captured too.
+A step's attention context is built from device tensors only (model.attention.device_context), so it is
+captured too.
 """
 from __future__ import annotations
 
@@ -24,39 +25,11 @@ from typing import Callable
 
 import torch
 
-from model.attention import StepContext, ring_view, sliding_window_mask
 
 KEY_BUCKET = 256
 # larger prefills run eagerly, unpadded: their launches weigh less next to their kernels, and a graph of
 # each width would keep its activations' peak in the graphs' pool (not tuned: measured at 1024 tokens)
 PREFILL_GRAPH_TOKENS = 4096
-
-
-def device_context(kv, meta: torch.Tensor, width: int, kv_len: int, window: int | None = None,
-                   fresh: bool = False) -> tuple[StepContext, torch.Tensor]:
-    """The StepContext of rows described by `meta` [4, B] (slots, starts, lengths, causal), computed
-    with device ops only (no host values, so it can be captured). Returns it and positions [B, width].
-    `window`: the sliding window of sliding-attention layers (DiffusionGemma), None for none;
-    `fresh`: every row starts at 0 (a prefill), so attention reads the step's own keys."""
-    slot, start, length, causal = meta[0], meta[1], meta[2], meta[3].bool()
-    i = torch.arange(width, device=meta.device)
-    pos = start[:, None] + i[None, :]
-    real = i[None, :] < length[:, None]
-    write = torch.where(real, slot[:, None] * kv.max_len + pos, kv.sink)
-    j = torch.arange(kv_len, device=meta.device)[None, None, :]
-    first, end = start[:, None, None], (start + length)[:, None, None]
-    in_segment = (j >= first) & (j < end)
-    visible = (j < first) | (in_segment & (~causal[:, None, None] | (j <= pos[:, :, None])))
-    window_mask = None if window is None else sliding_window_mask(visible, pos, start, real, causal, window)
-    ring = None
-    if getattr(kv, "ring_len", None):
-        if not fresh and width > kv.ring_len:
-            raise ValueError(f"a step of width {width} after a prefill does not fit the ring of {kv.ring_len}")
-        ring = ring_view(kv, slot, start, length, pos, real, causal, width, window, fresh)
-    ctx = StepContext(kv=kv, slots=slot, write_index=write.flatten(), kv_len=kv_len, mask=visible.unsqueeze(1),
-                      window_mask=window_mask, causal_rows=causal, fresh=fresh, ring=ring, starts=start,
-                      lengths=length, window=window)
-    return ctx, pos
 
 
 def bucket(keys: int, max_len: int) -> int:

@@ -18,13 +18,11 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from model.config import ModelConfig, load_model_config
-from model.diffusion_gemma import DiffusionGemmaForBlockDiffusion
-from model.nemotron_ld import NemotronLabsDiffusionModel
+from model.checkpoint import load_model_config
+from model.config import ModelConfig
+from model.families import FAMILIES
 from model.parallel.group import TPGroup
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {"nemotron_labs_diffusion": NemotronLabsDiffusionModel,
-                                             "diffusion_gemma": DiffusionGemmaForBlockDiffusion}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -137,7 +135,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
-    cls = MODEL_CLASSES[cfg.model_type]
+    family = FAMILIES[cfg.model_type]
+    cls = family.resolve(family.model_class)
     with _default_dtype(dtype), torch.device(device):
         model = cls(cfg, tp, dtype)
     return model.eval().requires_grad_(False)
@@ -145,10 +144,11 @@ def build_model(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch
 
 def load_model(model_dir: str | Path, tp: TPGroup | None = None, *, dtype: torch.dtype | str | None = None,
                device: torch.device | str = "cpu", load_format: Literal["safetensors", "dummy"] = "safetensors",
-               show_progress: bool | None = None, seed: int = 0) -> nn.Module:
-    """The model of `model_dir` for one TP rank. `dtype` defaults to the checkpoint's."""
+               show_progress: bool | None = None, seed: int = 0, config: ModelConfig | None = None) -> nn.Module:
+    """The model of `model_dir` for one TP rank. `dtype` defaults to the checkpoint's; `config`: its
+    config.json already read (model.checkpoint.Checkpoint), else read here."""
     tp = tp or TPGroup()
-    cfg = load_model_config(model_dir)
+    cfg = config or load_model_config(model_dir)
     if dtype is None or isinstance(dtype, str):
         name = dtype or cfg.dtype
         if name not in DTYPES:

@@ -17,6 +17,7 @@ from torch import nn
 from model.attention import cached_attention, kv_rows
 from model.config import NemotronLabsDiffusionConfig
 from model.fused import add_rms_norm, rotary, silu_mul
+from model.interface import KVLayout
 from model.layers import RMSNorm, RotaryEmbedding
 from model.parallel.group import TPGroup
 from model.parallel.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -120,10 +121,16 @@ class NemotronLabsDiffusionModel(nn.Module):
         return len(self.encoder.layers), attn.num_kv_heads, attn.head_dim
 
     @property
+    def kv_layout(self) -> KVLayout:
+        layers, kv_heads, head_dim = self.kv_shape
+        return KVLayout(((kv_heads, head_dim),) * layers, (False,) * layers)
+
+    @property
     def vocab_start(self) -> int:
         return self.diffusion_head.vocab_start
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, soft: None = None) -> torch.Tensor:
+        """soft: None (masked diffusion has no self-conditioning; the runner calls every family alike)."""
         return self.encoder(ids, positions)
 
     logit_softcap = None

@@ -14,9 +14,7 @@ Torch-free: the scheduler (workers/scheduler.py) imports it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from model.config import RenoiseDefaults, load_generation_defaults, load_model_config
 from model.sampling.params import DecodeParams
 
 IDLE, DENOISE, COMMIT, DRAFT, VERIFY, AR, DONE = range(7)
@@ -32,15 +30,6 @@ class StepBudget:
     default_canvas_steps: int | None = None
     # uniform-noise diffusion emits the request's last canvas when it converges, without a commit step
     last_canvas_commits: bool = True
-
-    @classmethod
-    def of_model(cls, model_dir: str | Path) -> "StepBudget":
-        """The budget of a runner serving this checkpoint (its family, canvas, generation_config.json)."""
-        cfg = load_model_config(model_dir)
-        if cfg.family != "diffusion-gemma":
-            return cls(cfg.canvas_length)
-        defaults = RenoiseDefaults.from_generation(load_generation_defaults(model_dir))
-        return cls(cfg.canvas_length, defaults.max_denoising_steps, last_canvas_commits=False)
 
     def canvas_steps(self, p: DecodeParams) -> int:
         """N: the most denoising steps one canvas takes (the runner's per-slot steps_limit)."""

@@ -22,36 +22,40 @@ import time
 
 import torch
 
-from model.attention import KVCache, LayeredKVCache, step_context
 from model.batch_invariant import batch_invariant
+from model.checkpoint import RunnerArgs
 from model.config import RenoiseDefaults
 from model.drafts import DraftBuffer
-from model.graphs import StepGraphs, bucket, device_context
+from model.families import FAMILIES
+from model.graphs import PREFILL_GRAPH_TOKENS, StepGraphs, bucket, prefill_width
+from model.interface import DiffusionLM
 from model.outputs import CommandOutputs
-from model.phases import StepBudget
+from model.parallel.group import TPGroup
 from model.protocol import Command, Events, NewSlot
 from model.sampling.params import DecodeParams
 from model.sampling.stats import TORCH_PASSES, VocabPasses
-from model.slots import SlotInfo, SlotTable
+from model.slots import Admission, SlotInfo, SlotTable
 from model.steps.causal import CausalSteps
 from model.steps.compiled import CompiledUpdate
-from model.steps.masked import MaskedCanvasStep
+from model.steps.env import StepEnv
 from model.steps.plan import plan_rows
-from model.steps.renoise import RenoiseCanvasStep
 from model.steps.sampler import RowSampler
 
 CANVAS_MODES = ("diffusion", "linear_spec")
 
 
 class Runner:
-    def __init__(self, model, num_slots: int, max_model_len: int, device: torch.device | str = "cpu",
+    def __init__(self, model: DiffusionLM, num_slots: int, max_model_len: int, device: torch.device | str = "cpu",
                  cuda_graphs: bool | None = None, renoise_defaults: RenoiseDefaults | None = None,
                  max_steps_per_command: int = 64, sampler_passes: VocabPasses = TORCH_PASSES,
                  batch_invariant: bool = False):
+        """The model's family (model/families.py) gives the canvas step and the step budget;
+        renoise_defaults: a uniform-noise family's schedule defaults (the checkpoint's generation_config.json;
+        None: transformers' defaults)."""
         cfg = model.config
-        self.model, self.tp, self.device = model, model.tp, torch.device(device)
-        self.C, self.mask_id = cfg.canvas_length, cfg.mask_token_id   # no mask token: uniform-noise family
-        self.family = cfg.family
+        self.family = FAMILIES[cfg.model_type]
+        self.model, self.device = model, torch.device(device)
+        self.C = cfg.canvas_length
         self.max_model_len = max_model_len
         dtype = next(model.parameters()).dtype
         if batch_invariant and (self.device.type != "cuda" or dtype == torch.float64):
@@ -59,33 +63,50 @@ class Runner:
                              "kernels are triton's)")
         self.batch_invariant = batch_invariant
         # + C: a canvas (or a verify) may write scratch KV past the budget's last token
-        if hasattr(model, "kv_layer_shapes"):
-            # sliding layers keep a ring of the window plus one canvas (what a canvas's queries read)
-            self.kv = LayeredKVCache(model.kv_layer_shapes, num_slots, max_model_len + self.C, dtype, self.device,
-                                     sliding=model.kv_layer_sliding, ring=model.sliding_window - 1 + self.C)
-        else:
-            layers, kv_heads, head_dim = model.kv_shape
-            self.kv = KVCache(layers, num_slots, max_model_len + self.C, kv_heads, head_dim, dtype, self.device)
-        self.window = getattr(model, "sliding_window", None)
-        self.eos = torch.tensor(cfg.eos_token_ids, dtype=torch.int64, device=self.device)
-        self.slots = SlotTable(num_slots, self.C, self.mask_id or 0, self.device)
-        self.outputs = CommandOutputs(num_slots, self.C, max_steps_per_command, self.device)
-        self.drafts = DraftBuffer(num_slots, self.C, max_steps_per_command, self.device)
-        self.sampler = RowSampler(model, self.slots, sampler_passes)
-        self.causal = CausalSteps(self)
-        self.renoise = None
-        if self.family == "diffusion-gemma":
-            renoise_defaults = renoise_defaults or RenoiseDefaults()
-            self.renoise = RenoiseCanvasStep(self, renoise_defaults, cfg.hidden_size, dtype)
-        self.canvas_step = self.renoise or MaskedCanvasStep(self)
+        kv = model.kv_layout.cache(num_slots, max_model_len + self.C, self.C, dtype, self.device)
+        slots = SlotTable(num_slots, self.C, cfg.mask_token_id or 0, self.device)
+        self.env = StepEnv(model=model, kv=kv, slots=slots,
+                           outputs=CommandOutputs(num_slots, self.C, max_steps_per_command, self.device),
+                           drafts=DraftBuffer(num_slots, self.C, max_steps_per_command, self.device),
+                           sampler=RowSampler(model, slots, sampler_passes),
+                           eos=torch.tensor(cfg.eos_token_ids, dtype=torch.int64, device=self.device), dtype=dtype)
+        self.slots, self.outputs, self.drafts = slots, self.env.outputs, self.env.drafts
+        renoise = (renoise_defaults or RenoiseDefaults()) if self.family.uniform_noise else None
+        self.canvas_step = self.family.resolve(self.family.canvas_step)(self.env, *((renoise,) if renoise else ()))
+        self.causal = CausalSteps(self.env, self.canvas_step)
         # each slot's steps_limit, and the bound on its remaining steps reported with every command's events
-        self.budget = StepBudget(self.C, renoise_defaults.max_denoising_steps, last_canvas_commits=False) \
-            if self.renoise else StepBudget(self.C)
+        self.budget = self.family.step_budget(self.C, renoise)
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = StepGraphs(self.device) if use_graphs else None
-        # tests watch steps through this: observer(event, kind, idx, logits) before ("before", with the
-        # step's raw logits) and after ("after") each step's state update; steps then run eagerly
-        self.observer = None
+
+    @classmethod
+    def from_checkpoint(cls, args: RunnerArgs, tp: TPGroup | None = None) -> "Runner":
+        """The runner of `args.checkpoint` for one tensor-parallel rank, its weights loaded (or dummy)."""
+        from model.loader import load_model
+
+        ckpt = args.checkpoint
+        model = load_model(ckpt.path, tp or TPGroup(), dtype=args.dtype, device=args.device,
+                           load_format=args.load_format, config=ckpt.config)
+        return cls(model, num_slots=args.num_slots, max_model_len=args.max_model_len, device=args.device,
+                   renoise_defaults=ckpt.renoise, max_steps_per_command=args.max_steps_per_command,
+                   sampler_passes=sampler_passes(args.device), batch_invariant=args.batch_invariant)
+
+    @property
+    def tp(self) -> TPGroup:
+        return self.model.tp
+
+    @property
+    def kv(self):
+        return self.env.kv
+
+    @property
+    def observer(self):
+        """Tests watch steps through this (model/steps/env.py); steps then run eagerly."""
+        return self.env.observer
+
+    @observer.setter
+    def observer(self, observe) -> None:
+        self.env.observer = observe
 
     # ---- commands -------------------------------------------------------------------------------
     def execute(self, cmd: Command) -> Events:
@@ -112,7 +133,7 @@ class Runner:
             steps = cmd.max_steps
             for k in range(steps):
                 if k == 0 and admitted:
-                    self.causal.prefill(admitted)
+                    self._prefill(admitted)
                 if canvas:
                     self._run("canvas", self.canvas_step, canvas, self._keys(canvas, admitted, steps, self.C))
                 if ar:
@@ -158,17 +179,15 @@ class Runner:
                 raise ValueError(f"slot {new.slot} is not free")
             if len(new.prompt) + p.max_tokens > self.max_model_len:
                 raise ValueError(f"prompt ({len(new.prompt)}) + max_tokens ({p.max_tokens}) > max_model_len")
-            p.check_family(self.family)
+            self.family.check(p)
         if not news:
             return []
-        knobs = [self.renoise.knobs(n.params) for n in news] if self.renoise else None
-        steps = [self.budget.canvas_steps(n.params) for n in news]
-        gamma = [k["gamma"] for k in knobs] if knobs else [n.params.reveal_entropy_bound for n in news]
+        knobs = [self.canvas_step.knobs(n.params) for n in news]
         slots = [n.slot for n in news]
-        self.slots.admit(slots, [n.params for n in news], [n.seed for n in news], steps, gamma)
+        self.slots.admit(slots, [Admission(n.params, n.seed, self.budget.canvas_steps(n.params), k["gamma"])
+                                 for n, k in zip(news, knobs)])
         self.drafts.admit(slots, [n.params.draft_every if n.params.stream_drafts else 0 for n in news])
-        if knobs:
-            self.renoise.admit(slots, knobs)
+        self.canvas_step.admit(slots, knobs)
         for n in news:
             self.slots.info[n.slot] = SlotInfo(n.params, tuple(n.prompt))
         return slots
@@ -182,7 +201,32 @@ class Runner:
         return bucket(start + growth + width, self.kv.max_len)
 
     def plan(self, slots: list[int], kv_len: int):
-        return plan_rows([self.slots.info[s] for s in slots], kv_len, self.family)
+        return plan_rows([self.slots.info[s] for s in slots], kv_len, self.family.uniform_noise)
+
+    def _prefill(self, slots: list[int]) -> None:
+        """The prompts of newly admitted `slots`, in one causal pass; on CUDA a graph's replay up to
+        PREFILL_GRAPH_TOKENS (model/graphs.py), the prompts padded to its width."""
+        t = self.slots
+        infos = [t.info[s] for s in slots]
+        longest = max(len(i.prompt) for i in infos)
+        width = prefill_width(longest, self.kv.max_len)
+        graphed = self.graphs is not None and self.observer is None and len(slots) * width <= PREFILL_GRAPH_TOKENS
+        width = width if graphed else longest
+        plan = self.plan(slots, width)
+        pinned = self.device.type == "cuda"
+        tokens = torch.zeros(len(slots), width, dtype=torch.int64, pin_memory=pinned)
+        for row, info in enumerate(infos):
+            tokens[row, : len(info.prompt)] = torch.tensor(info.prompt)
+        host = (torch.tensor(slots, dtype=torch.int64, pin_memory=pinned),
+                torch.tensor(list(plan.scored), dtype=torch.int64, pin_memory=pinned), tokens,
+                torch.tensor([len(i.prompt) for i in infos], dtype=torch.int64, pin_memory=pinned),
+                torch.tensor([[i.params.mode == m for m in ("diffusion", "linear_spec", "ar")] for i in infos],
+                             dtype=torch.bool, pin_memory=pinned))
+        step = lambda *inputs: self.causal.prefill(plan, *inputs)   # noqa: E731
+        if graphed:
+            self.graphs.run(("prefill", plan), step, *self.graphs.static_inputs(("prefill", plan), *host))
+        else:
+            step(*(h.to(self.device, non_blocking=True) for h in host))
 
     def _run(self, kind: str, step, slots: list[int], kv_len: int) -> None:
         plan = self.plan(slots, kv_len)
@@ -194,33 +238,15 @@ class Runner:
             step(plan, idx, scored)
             return
         # what else changes a step's code: whether self-conditioning runs (off only to measure its cost)
-        key = (kind, plan, self.renoise.self_conditioning if self.renoise else None)
+        key = (kind, plan, getattr(self.canvas_step, "self_conditioning", None))
         idx, scored = self.graphs.index_inputs(key, slots, list(plan.scored))
         self.graphs.run(key, lambda i, s: step(plan, i, s), idx, scored)
 
-    # ---- what the step kinds share ----------------------------------------------------------------
-    def forward(self, idx: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor, width: int,
-                causal: torch.Tensor, kv_len: int, lengths: torch.Tensor | None = None,
-                soft: torch.Tensor | None = None, fresh: bool = False) -> torch.Tensor:
-        """Rows idx [B] of tokens [B, width] at positions starts + [0, width) (real up to `lengths`,
-        default all) -> hidden [B, width, H]; `fresh`: a prefill (every start 0). Device ops only."""
-        lengths = torch.full_like(starts, width) if lengths is None else lengths
-        meta = torch.stack([idx, starts, lengths, causal.long()])
-        ctx, positions = device_context(self.kv, meta, width, kv_len, self.window, fresh)
-        with step_context(ctx):
-            if self.renoise is not None:
-                return self.model(tokens, positions, soft)
-            return self.model(tokens, positions)
 
-    def observe(self, event: str, kind: str, idx: torch.Tensor, logits: torch.Tensor | None = None) -> None:
-        if self.observer is not None:
-            self.observer(event, kind, idx, logits)
+def sampler_passes(device: str) -> VocabPasses:
+    """The sampler's passes over the vocabulary: triton's on CUDA, torch's elsewhere."""
+    if not str(device).startswith("cuda"):
+        return TORCH_PASSES
+    from model.kernels.vocab_stats import TRITON_PASSES
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """This rank's raw logits [..., V_r] (the LM head's dtype), the mask token's -inf (never predicted)."""
-        x = self.model.head_logits(hidden)
-        if self.mask_id is not None:
-            local = self.mask_id - self.model.vocab_start
-            if 0 <= local < x.shape[-1]:
-                x[..., local] = -torch.inf
-        return x
+    return TRITON_PASSES

@@ -10,6 +10,7 @@ what it admitted (`SlotInfo`) and the last copied lengths, phases, denoising ste
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -85,10 +86,31 @@ class SlotInfo:
         return self.params.logprobs is not None
 
 
-# per-slot parameter buffers written at admission: name -> dtype
-_INT_PARAMS = ("max_tokens", "steps_limit", "policy", "seed", "top_k")
-_FLOAT_PARAMS = ("temperature", "top_p", "tau", "gamma")
-_BOOL_PARAMS = ("ignore_eos", "early_stop", "seed_first")
+@dataclass(frozen=True)
+class Admission:
+    """What a slot is admitted with: its request's parameters and what the runner decided for it."""
+    params: DecodeParams
+    seed: int           # the request's seed, or one the scheduler drew
+    steps_limit: int    # N: the most denoising steps of one canvas (model/phases.py)
+    gamma: float        # the entropy bound (the masked entropy_bound policy's, or DiffusionGemma's)
+
+
+# The per-slot parameter buffers, in one table: name -> (dtype, its value for an Admission). Every step
+# reads them as device data, so a request's options never change which code a step runs.
+SLOT_PARAMS: dict[str, tuple[torch.dtype, Callable[[Admission], float]]] = {
+    "max_tokens": (torch.int64, lambda a: a.params.max_tokens),
+    "steps_limit": (torch.int64, lambda a: a.steps_limit),
+    "policy": (torch.int64, lambda a: POLICY_IDS[a.params.policy]),
+    "seed": (torch.int64, lambda a: a.seed),
+    "top_k": (torch.int64, lambda a: a.params.top_k),
+    "temperature": (torch.float32, lambda a: a.params.effective_temperature),
+    "top_p": (torch.float32, lambda a: a.params.top_p),
+    "tau": (torch.float32, lambda a: a.params.threshold),
+    "gamma": (torch.float32, lambda a: a.gamma),
+    "ignore_eos": (torch.bool, lambda a: a.params.ignore_eos),
+    "early_stop": (torch.bool, lambda a: a.params.eos_early_stop and not a.params.ignore_eos),
+    "seed_first": (torch.bool, lambda a: a.params.seed_first_position),
+}
 
 
 class SlotTable:
@@ -102,13 +124,8 @@ class SlotTable:
         self.canvas = torch.full((S, C), fill_token, dtype=torch.int64, device=dev)
         self.canvas_scores = ScoreBuffer(S, C, dev)   # reveal-time scores of the canvas being denoised
         self.seed_scores = ScoreBuffer(S, 1, dev)     # linear speculation: the score of the next seed
-        # parameters
-        for name in _INT_PARAMS:
-            setattr(self, name, zeros())
-        for name in _FLOAT_PARAMS:
-            setattr(self, name, zeros(torch.float32))
-        for name in _BOOL_PARAMS:
-            setattr(self, name, zeros(torch.bool))
+        for name, (dtype, _) in SLOT_PARAMS.items():
+            setattr(self, name, zeros(dtype))
         self.info: dict[int, SlotInfo] = {}
         # the host's copy of the device state, as of the end of the last command
         self.host_length = [0] * S
@@ -116,19 +133,14 @@ class SlotTable:
         self.host_n = [0] * S
         self.host_emitted = [0] * S
 
-    def admit(self, slots: list[int], params: list[DecodeParams], seeds: list[int], steps_limit: list[int],
-              gamma: list[float]) -> None:
+    def admit(self, slots: list[int], admissions: list[Admission]) -> None:
         """Writes the parameters of newly admitted slots: one host-to-device copy per dtype, no sync."""
         pinned = self.device.type == "cuda"
-        ints = torch.tensor([[p.max_tokens, n, POLICY_IDS[p.policy], seed, p.top_k]
-                             for p, n, seed in zip(params, steps_limit, seeds)], dtype=torch.int64,
-                            pin_memory=pinned)
-        floats = torch.tensor([[p.effective_temperature, p.top_p, p.threshold, g] for p, g in zip(params, gamma)],
-                              dtype=torch.float32, pin_memory=pinned)
-        bools = torch.tensor([[p.ignore_eos, p.eos_early_stop and not p.ignore_eos, p.seed_first_position]
-                              for p in params], dtype=torch.bool, pin_memory=pinned)
         idx = torch.tensor(slots, dtype=torch.int64, pin_memory=pinned).to(self.device, non_blocking=True)
-        for names, host in ((_INT_PARAMS, ints), (_FLOAT_PARAMS, floats), (_BOOL_PARAMS, bools)):
+        for dtype in dict.fromkeys(dtype for dtype, _ in SLOT_PARAMS.values()):
+            names = [name for name, (d, _) in SLOT_PARAMS.items() if d == dtype]
+            host = torch.tensor([[SLOT_PARAMS[name][1](a) for name in names] for a in admissions], dtype=dtype,
+                                pin_memory=pinned)
             dev = host.to(self.device, non_blocking=True)
             for j, name in enumerate(names):
                 getattr(self, name).index_copy_(0, idx, dev[:, j])

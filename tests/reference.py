@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from model.config import load_model_config
+from model.checkpoint import load_model_config
 
 
 def hf_ministral3(model_dir: Path, attn_implementation: str = "sdpa"):

@@ -79,13 +79,13 @@ def test_refused_without_cuda(tiny_nemotron):
     from pydantic import ValidationError
 
     from deployments.args import AppArgs
-    from model.parallel.group import TPGroup
-    from workers.shard_group import build_runner
+    from model.checkpoint import RunnerArgs
+    from model.runner import Runner
 
     with pytest.raises(ValidationError, match="batch_invariant=true needs device=cuda"):
         AppArgs(device="cpu", batch_invariant=True)
     with pytest.raises(ValueError, match="batch_invariant needs device cuda"):
-        build_runner(str(tiny_nemotron), TPGroup(), 2, 128, None, "cpu", batch_invariant=True)
+        Runner.from_checkpoint(RunnerArgs.read(tiny_nemotron, num_slots=2, max_model_len=128, batch_invariant=True))
 
 
 CUMSUM_CHECK = r"""

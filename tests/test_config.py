@@ -6,8 +6,9 @@ import json
 import pytest
 import torch
 
-from model.config import (NemotronLabsDiffusionConfig, load_generation_defaults, load_model_config,
-                          parse_model_config)
+from model.checkpoint import load_model_config, parse_model_config
+from model.families import FAMILIES
+from model.config import NemotronLabsDiffusionConfig, load_generation_defaults
 
 # The published 8B config.json, as quoted in SPEC.md 2.1 (plus its auto_map, which is never run).
 PUBLISHED_8B = {
@@ -57,7 +58,7 @@ def test_published_8b_config_parses(tmp_path):
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers) == (131072, 4096, 34)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size) == (32, 8, 128)
     assert (cfg.mask_token_id, cfg.canvas_length, cfg.eos_token_ids, cfg.bos_token_id) == (100, 32, (11,), 1)
-    assert cfg.dtype == "bfloat16" and cfg.family == "nemotron-ld"
+    assert cfg.dtype == "bfloat16" and FAMILIES[cfg.model_type].name == "nemotron-ld"
     assert rope_dict(cfg) == PUBLISHED_8B["rope_parameters"]
     for tp in (1, 2, 4, 8):
         cfg.check_tensor_parallel(tp)

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from model.checkpoint import RunnerArgs
 from model.sampling.params import DecodeParams
 from workers.coordinator import Coordinator, RequestError
 from workers.shard_group import InProcessShards, ShardFailure
@@ -27,7 +28,8 @@ class QueuedShards:
         self.pids: list[int] = []
 
     async def start(self) -> None:
-        self.inner = InProcessShards(self.model_dir, num_slots=SLOTS, max_model_len=512, max_steps_per_command=4)
+        self.inner = InProcessShards(RunnerArgs.read(self.model_dir, num_slots=SLOTS, max_model_len=512,
+                                                     max_steps_per_command=4))
         self.pool = ThreadPoolExecutor(1)
 
     async def execute(self, cmd):

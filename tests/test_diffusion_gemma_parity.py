@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from model.attention import LayeredKVCache, StepContext, step_context
-from model.config import DiffusionGemmaConfig, RenoiseDefaults, load_generation_defaults, parse_model_config
+from model.checkpoint import parse_model_config
+from model.families import FAMILIES
+from model.config import DiffusionGemmaConfig, RenoiseDefaults, load_generation_defaults
 from model.loader import expected_tensors, load_model
 from tests.reference import gemma_generate_with_our_draws
 
@@ -100,7 +102,7 @@ def tokens(gen, n):
 
 def test_config_reads_the_tiny_checkpoint(tiny_dir, ours):
     cfg = ours.config
-    assert isinstance(cfg, DiffusionGemmaConfig) and cfg.family == "diffusion-gemma"
+    assert isinstance(cfg, DiffusionGemmaConfig) and FAMILIES[cfg.model_type].name == "diffusion-gemma"
     assert cfg.layer_type_list == ("sliding_attention", "sliding_attention", "full_attention")
     assert [cfg.layer_head_dim(i) for i in range(3)] == [16, 16, 32]
     assert [cfg.layer_num_kv_heads(i) for i in range(3)] == [2, 2, 1]

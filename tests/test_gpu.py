@@ -101,11 +101,13 @@ def test_no_host_sync_inside_a_command(family, invariant, tiny_nemotron, tiny_ge
     from model.parallel.group import TPGroup
     from model.protocol import Command, NewSlot
     from model.sampling.params import DecodeParams
-    from workers.shard_group import build_runner
+    from model.checkpoint import RunnerArgs
+    from model.runner import Runner
 
     model_dir = tiny_nemotron if family == "nemotron" else tiny_gemma
-    runner = build_runner(str(model_dir), TPGroup(), 4, 256, "bfloat16", "cuda", "safetensors", 8,
-                          batch_invariant=invariant)
+    runner = Runner.from_checkpoint(RunnerArgs.read(model_dir, num_slots=4, max_model_len=256, dtype="bfloat16",
+                                                    device="cuda", max_steps_per_command=8,
+                                                    batch_invariant=invariant), TPGroup())
     # p also streams drafts: its snapshots are taken inside the captured steps and copied with the rest
     p = DecodeParams(temperature=0.7, seed=1, max_tokens=96, ignore_eos=True, logprobs=2, stream_drafts=True,
                      draft_every=2)

@@ -22,8 +22,7 @@ import time
 from collections import deque
 from typing import AsyncIterator
 
-from model.config import load_model_config
-from model.phases import StepBudget
+from model.checkpoint import Checkpoint
 from model.protocol import StepCounters
 from model.sampling.params import DecodeParams
 from workers.metrics import RequestMetrics
@@ -49,8 +48,9 @@ class Coordinator:
     def __init__(self, model_dir: str, shards, *, num_slots: int, max_model_len: int, max_queue: int,
                  max_steps_per_command: int, seed: int = 0, request_timeout_s: float = 600.0,
                  overlap_commands: bool = True):
-        self.config = load_model_config(model_dir)
-        self.budget = StepBudget.of_model(model_dir)   # what the shards' runners bound steps by
+        self.checkpoint = Checkpoint.read(model_dir)
+        self.config = self.checkpoint.config
+        self.budget = self.checkpoint.budget   # what the shards' runners bound steps by
         self.shards = shards
         self.num_slots, self.max_model_len, self.max_queue = num_slots, max_model_len, max_queue
         self.max_steps_per_command, self.seed = max_steps_per_command, seed
@@ -105,7 +105,7 @@ class Coordinator:
         await self.start()  # the first request starts the shards
         request_id = request_id or f"cmpl-{next(self._ids)}"
         try:
-            params.check_family(self.config.family)
+            self.checkpoint.family.check(params)
             self.scheduler.add(request_id, prompt, params)
         except QueueFull:
             raise RequestError("queue_full", f"the request queue is full ({self.max_queue} waiting)") from None

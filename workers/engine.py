@@ -9,7 +9,7 @@ import itertools
 import time
 from typing import Sequence
 
-from model.phases import StepBudget
+from model.checkpoint import Checkpoint, RunnerArgs
 from model.sampling.params import DecodeParams
 from workers.request import Request, RequestOutput
 from workers.scheduler import Scheduler
@@ -20,19 +20,18 @@ class Engine:
     def __init__(self, model_dir: str, *, tp: int = 1, num_slots: int = 8, max_model_len: int = 1024,
                  max_queue: int = 256, max_steps_per_command: int = 8, dtype: str | None = None,
                  device: str = "cpu", seed: int = 0, load_format: str = "safetensors", batch_invariant: bool = False):
-        kwargs = dict(num_slots=num_slots, max_model_len=max_model_len, dtype=dtype, device=device,
-                      load_format=load_format, max_steps_per_command=max_steps_per_command,
-                      batch_invariant=batch_invariant)
-        self.shards = InProcessShards(str(model_dir), **kwargs) if tp == 1 else \
-            ProcessShards(str(model_dir), tp, **kwargs)
-        cfg = self.shards.config
-        self.config = cfg
+        self.checkpoint = Checkpoint.read(model_dir)
+        args = RunnerArgs(checkpoint=self.checkpoint, num_slots=num_slots, max_model_len=max_model_len, dtype=dtype,
+                          device=device, load_format=load_format, max_steps_per_command=max_steps_per_command,
+                          batch_invariant=batch_invariant)
+        self.shards = InProcessShards(args) if tp == 1 else ProcessShards(args, tp)
+        cfg = self.config = self.checkpoint.config
         self.scheduler = Scheduler(num_slots, max_queue, cfg.eos_token_ids, max_model_len, cfg.canvas_length,
-                                   max_steps_per_command, seed, StepBudget.of_model(model_dir))
+                                   max_steps_per_command, seed, self.checkpoint.budget)
         self._ids = itertools.count()
 
     def add(self, prompt: Sequence[int], params: DecodeParams, request_id: str | None = None) -> Request:
-        params.check_family(self.config.family)
+        self.checkpoint.family.check(params)
         return self.scheduler.add(request_id or f"req-{next(self._ids)}", prompt, params)
 
     def step(self) -> list[RequestOutput]:

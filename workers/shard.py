@@ -13,9 +13,10 @@ import socket
 import ray
 import torch
 
+from model.checkpoint import Checkpoint, RunnerArgs
 from model.parallel.group import TPGroup
 from model.protocol import Command, Events
-from workers.shard_group import build_runner
+from model.runner import Runner
 
 
 # `execute` runs in the default group (one thread: commands in order, one at a time); `ping` and `pid`
@@ -50,9 +51,11 @@ class ShardWorker:
                 timeout=datetime.timedelta(seconds=collective_timeout_s))
             tp = TPGroup.from_default_group()
         a = self.args
-        self.runner = build_runner(a["model_dir"], tp, a["num_slots"], a["max_model_len"], a["dtype"],
-                                   self.device, a["load_format"], a["max_steps_per_command"],
-                                   a["batch_invariant"])
+        args = RunnerArgs(checkpoint=Checkpoint.read(a["model_dir"]), num_slots=a["num_slots"],
+                          max_model_len=a["max_model_len"], dtype=a["dtype"], device=self.device,
+                          load_format=a["load_format"], max_steps_per_command=a["max_steps_per_command"],
+                          batch_invariant=a["batch_invariant"])
+        self.runner = Runner.from_checkpoint(args, tp)
         return True
 
     def warm_up(self) -> float:

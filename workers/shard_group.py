@@ -15,46 +15,19 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from model.config import RenoiseDefaults, load_generation_defaults
-from model.loader import load_model
+from model.checkpoint import RunnerArgs
 from model.parallel.group import TPGroup
 from model.protocol import Command, Events
 from model.runner import Runner
-from model.sampling.stats import TORCH_PASSES, VocabPasses
 
 
 class ShardFailure(RuntimeError):
     """A rank failed or stopped answering; the in-flight command is lost."""
 
 
-def build_runner(model_dir: str, tp: TPGroup, num_slots: int, max_model_len: int, dtype, device: str,
-                 load_format: str = "safetensors", max_steps_per_command: int = 64,
-                 batch_invariant: bool = False) -> Runner:
-    model = load_model(model_dir, tp, dtype=dtype, device=device, load_format=load_format)
-    renoise = None
-    if model.config.family == "diffusion-gemma":
-        renoise = RenoiseDefaults.from_generation(load_generation_defaults(model_dir))
-    return Runner(model, num_slots=num_slots, max_model_len=max_model_len, device=device, renoise_defaults=renoise,
-                  max_steps_per_command=max_steps_per_command, sampler_passes=sampler_passes(device),
-                  batch_invariant=batch_invariant)
-
-
-def sampler_passes(device: str) -> VocabPasses:
-    """The sampler's passes over the vocabulary: triton's on CUDA, torch's elsewhere."""
-    if not str(device).startswith("cuda"):
-        return TORCH_PASSES
-    from model.kernels.vocab_stats import TRITON_PASSES
-
-    return TRITON_PASSES
-
-
 class InProcessShards:
-    def __init__(self, model_dir: str, *, num_slots: int, max_model_len: int, dtype=None, device: str = "cpu",
-                 load_format: str = "safetensors", max_steps_per_command: int = 64,
-                 batch_invariant: bool = False):
-        self.runner = build_runner(model_dir, TPGroup(), num_slots, max_model_len, dtype, device, load_format,
-                                   max_steps_per_command, batch_invariant)
-        self.config = self.runner.model.config
+    def __init__(self, args: RunnerArgs):
+        self.runner = Runner.from_checkpoint(args)
 
     def execute(self, cmd: Command) -> Events:
         return self.runner.execute(cmd)
@@ -63,16 +36,14 @@ class InProcessShards:
         pass
 
 
-def _rank_main(rank: int, world: int, init_file: str, args: dict, commands, answers) -> None:
+def _rank_main(rank: int, world: int, init_file: str, args: RunnerArgs, commands, answers) -> None:
     try:
-        backend = "nccl" if args["device"].startswith("cuda") else "gloo"
+        backend = "nccl" if args.device.startswith("cuda") else "gloo"
         device = f"cuda:{rank}" if backend == "nccl" else "cpu"
         torch.distributed.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                              world_size=world)
         torch.set_num_threads(1)
-        runner = build_runner(args["model_dir"], TPGroup.from_default_group(), args["num_slots"],
-                              args["max_model_len"], args["dtype"], device, args["load_format"],
-                              args["max_steps_per_command"], args["batch_invariant"])
+        runner = Runner.from_checkpoint(args.model_copy(update={"device": device}), TPGroup.from_default_group())
         answers.put(("ready", rank))
         while True:
             cmd = commands.get()
@@ -89,25 +60,17 @@ def _rank_main(rank: int, world: int, init_file: str, args: dict, commands, answ
 
 
 class ProcessShards:
-    def __init__(self, model_dir: str, tp: int, *, num_slots: int, max_model_len: int, dtype=None,
-                 device: str = "cpu", load_format: str = "safetensors", max_steps_per_command: int = 64,
-                 batch_invariant: bool = False,
-                 timeout_s: float = 120.0):
+    def __init__(self, args: RunnerArgs, tp: int, timeout_s: float = 120.0):
         ctx = mp.get_context("spawn")
         self.timeout_s = timeout_s
         self._dir = tempfile.mkdtemp(prefix="dllm-tp-")
         init_file = str(Path(self._dir) / "rendezvous")
         self.commands = [ctx.Queue() for _ in range(tp)]
         self.answers = ctx.Queue()
-        args = dict(model_dir=str(model_dir), num_slots=num_slots, max_model_len=max_model_len, dtype=dtype,
-                    device=device, load_format=load_format, max_steps_per_command=max_steps_per_command,
-                    batch_invariant=batch_invariant)
         self.procs = [ctx.Process(target=_rank_main, args=(r, tp, init_file, args, self.commands[r], self.answers),
                                   daemon=True) for r in range(tp)]
         for p in self.procs:
             p.start()
-        from model.config import load_model_config
-        self.config = load_model_config(model_dir)
         for _ in range(tp):
             self._answer("ready")
 

@@ -79,12 +79,6 @@ class DecodeParams(BaseModel):
             raise ValueError(f"t_max={v} must be > t_min={t_min}")
         return v
 
-    def check_family(self, family: str) -> None:
-        """Raises ValueError naming the parameter this model family cannot honour."""
-        if family == "diffusion-gemma" and self.mode != "diffusion":
-            raise ValueError(f"mode={self.mode!r} is not supported by DiffusionGemma (uniform-noise diffusion "
-                             "only); use mode='diffusion'")
-
     @property
     def effective_temperature(self) -> float:
         if self.temperature is not None:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import torch
 
 from model.phases import COMMIT, DENOISE, DONE, DRAFT, VERIFY
+from model.sampling.params import DecodeParams
 from model.sampling.reveal import POLICIES, reveal
 from model.slots import Scores
 from model.steps.compiled import CompiledUpdate, compile_updates_enabled
+from model.steps.env import StepEnv
 from model.steps.plan import RowPlan
 
 
@@ -33,12 +35,29 @@ def contains_eos(tokens: torch.Tensor, count: torch.Tensor, eos: torch.Tensor) -
 
 
 class MaskedCanvasStep:
-    def __init__(self, runner):
-        self.r = runner
-        self.update = CompiledUpdate(self._update, compile_updates_enabled(runner.device))
+    needs_prediction = True   # a new canvas's position 0 is the preceding causal pass's prediction
+
+    def __init__(self, env: StepEnv):
+        self.env = env
+        self.update = CompiledUpdate(self._update, compile_updates_enabled(env.device))
+
+    def knobs(self, params: DecodeParams) -> dict:
+        return {"gamma": params.reveal_entropy_bound}
+
+    def admit(self, slots: list[int], knobs: list[dict]) -> None:
+        pass   # every parameter masked diffusion reads is in the slot table
+
+    def start(self, idx: torch.Tensor, where: torch.Tensor, prediction: torch.Tensor) -> None:
+        """Rows idx where `where`: a masked canvas, position 0 the prediction if the row seeds it (SPEC.md 3(a))."""
+        t, C, MASK = self.env.slots, self.env.C, self.env.mask_id
+        fresh = torch.full((len(idx), C), MASK, dtype=torch.int64, device=idx.device)
+        fresh[:, 0] = torch.where(t.seed_first[idx], prediction, MASK)
+        t.canvas[idx] = torch.where(where[:, None], fresh, t.canvas[idx])
+        t.n[idx] = torch.where(where, 0, t.n[idx])
+        t.phase[idx] = torch.where(where, DENOISE, t.phase[idx])
 
     def __call__(self, plan: RowPlan, idx: torch.Tensor, scored: torch.Tensor) -> None:
-        r, t, C = self.r, self.r.slots, self.r.C
+        r, t, C = self.env, self.env.slots, self.env.C
         phase = t.phase[idx]
         hidden = r.forward(idx, t.canvas[idx], t.length[idx], C, (phase == COMMIT) | (phase == VERIFY), plan.kv_len)
         x = r.logits(hidden)                                            # [B, C, V_r] raw, mask token -inf
@@ -50,7 +69,7 @@ class MaskedCanvasStep:
 
     def _update(self, plan: RowPlan, idx: torch.Tensor, scored: torch.Tensor, st, scores: Scores | None) -> None:
         """Every phase's decisions from the sampler's statistics, kept where the row is in that phase."""
-        r, t, C, MASK = self.r, self.r.slots, self.r.C, self.r.mask_id
+        r, t, C, MASK = self.env, self.env.slots, self.env.C, self.env.mask_id
         phase, length, canvas, n = t.phase[idx], t.length[idx], t.canvas[idx], t.n[idx]
         is_denoise, is_commit = phase == DENOISE, phase == COMMIT
         is_draft, is_verify = phase == DRAFT, phase == VERIFY
@@ -122,7 +141,7 @@ class MaskedCanvasStep:
     def _block_scores(self, slots: torch.Tensor, is_commit: torch.Tensor, scores: Scores, k: int) -> Scores:
         """A commit emits the canvas's reveal-time scores; a verify emits the seed's score, then the causal
         scores of the draft's positions j >= 1, predicted at j - 1 (SPEC.md 6)."""
-        t = self.r.slots
+        t = self.env.slots
         canvas = t.canvas_scores.read(slots, k)
         seed = t.seed_scores.read(slots, k)
 
@@ -144,7 +163,7 @@ class MaskedCanvasStep:
     def _keep_scores(self, slots, revealed, is_commit, is_verify, accepted, scores: Scores) -> None:
         """Reveal-time scores: denoise rows keep those of the positions they revealed; a commit row keeps
         its seeded position 0's (the prediction at the last position); a verify row the next seed's."""
-        t, C = self.r.slots, self.r.C
+        t, C = self.env.slots, self.env.C
         t.canvas_scores.write(slots, revealed, scores)
         position0 = torch.zeros_like(revealed)
         position0[:, 0] = is_commit

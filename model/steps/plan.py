@@ -27,14 +27,14 @@ class RowPlan:
         return bool(self.filter_top_k or self.filter_top_p)
 
 
-def plan_rows(infos: list[SlotInfo], kv_len: int, family: str) -> RowPlan:
+def plan_rows(infos: list[SlotInfo], kv_len: int, uniform_noise: bool) -> RowPlan:
     params = [i.params for i in infos]
     scored = tuple(r for r, i in enumerate(infos) if i.wants_scores)
     return RowPlan(
         rows=len(infos), scored=scored,
         top_logprobs=max((params[r].logprobs for r in scored), default=0),
-        # DiffusionGemma always samples (its temperature comes from the schedule)
-        sampling=family == "diffusion-gemma" or any(p.effective_temperature > 0 for p in params),
+        # uniform noise always samples (its temperature comes from the schedule)
+        sampling=uniform_noise or any(p.effective_temperature > 0 for p in params),
         filter_top_k=max(p.top_k for p in params), filter_top_p=any(p.top_p < 1 for p in params),
         policies=tuple(sorted({p.policy for p in params if p.mode == "diffusion"})),
         modes=tuple(sorted({p.mode for p in params})),

@@ -23,14 +23,18 @@ from model.sampling.params import DecodeParams
 from model.sampling.stats import value_at
 from model.slots import Scores
 from model.steps.compiled import CompiledUpdate, compile_updates_enabled
+from model.steps.env import StepEnv
 from model.steps.masked import contains_eos
 from model.steps.plan import RowPlan
 
 
 class RenoiseCanvasStep:
-    def __init__(self, runner, defaults: RenoiseDefaults, hidden_size: int, dtype: torch.dtype):
-        S, C, dev = runner.slots.num_slots, runner.C, runner.device
-        self.r, self.defaults = runner, defaults
+    needs_prediction = False   # a canvas starts as uniform noise: its prefill computes no logits
+
+    def __init__(self, env: StepEnv, defaults: RenoiseDefaults):
+        S, C, dev = env.slots.num_slots, env.C, env.device
+        hidden_size, dtype = env.model.config.hidden_size, env.dtype
+        self.env, self.defaults = env, defaults
         # transformers rounds the self-conditioning logits to the embedding dtype
         self.soft_dtype = None if dtype == torch.float32 else dtype
         self.prev_argmax = torch.full((S, C), -1, dtype=torch.int64, device=dev)
@@ -56,16 +60,17 @@ class RenoiseCanvasStep:
         return knobs
 
     def admit(self, slots: list[int], knobs: list[dict]) -> None:
-        idx = self.r.slots.device_index(slots)
+        env = self.env
+        idx = env.slots.device_index(slots)
         for name in ("t_min", "t_max", "stability", "confidence"):
             buf = getattr(self, name)
-            values = torch.tensor([k[name] for k in knobs], dtype=buf.dtype, pin_memory=self.r.device.type == "cuda")
-            buf.index_copy_(0, idx, values.to(self.r.device, non_blocking=True))
+            values = torch.tensor([k[name] for k in knobs], dtype=buf.dtype, pin_memory=env.device.type == "cuda")
+            buf.index_copy_(0, idx, values.to(env.device, non_blocking=True))
 
-    def start(self, idx: torch.Tensor, where: torch.Tensor) -> None:
+    def start(self, idx: torch.Tensor, where: torch.Tensor, prediction: None = None) -> None:
         """Rows idx where `where`: a new canvas of uniform random tokens (one draw), denoised next."""
-        t, C = self.r.slots, self.r.C
-        fresh = RN.random_tokens(t.seed[idx], t.draws[idx], C, self.r.model.config.vocab_size)
+        t, C = self.env.slots, self.env.C
+        fresh = RN.random_tokens(t.seed[idx], t.draws[idx], C, self.env.model.config.vocab_size)
         w = where[:, None]
         t.canvas[idx] = torch.where(w, fresh, t.canvas[idx])
         self.prev_argmax[idx] = torch.where(w, -1, self.prev_argmax[idx])
@@ -76,7 +81,7 @@ class RenoiseCanvasStep:
         t.draws[idx] += where.long()
 
     def __call__(self, plan: RowPlan, idx: torch.Tensor, scored: torch.Tensor) -> None:
-        r, t, C = self.r, self.r.slots, self.r.C
+        r, t, C = self.env, self.env.slots, self.env.C
         length, canvas, n = t.length[idx], t.canvas[idx], t.n[idx]
         hidden = r.forward(idx, canvas, length, C, t.phase[idx] == COMMIT, plan.kv_len, soft=self.soft[idx])
         x = r.logits(hidden)
@@ -101,7 +106,7 @@ class RenoiseCanvasStep:
                 scores: Scores | None, soft: torch.Tensor | None) -> None:
         """The renoise sampler's decisions kept where the row is in that phase; commit rows, and denoise
         rows whose canvas converged and ends the request, emit."""
-        r, t, C = self.r, self.r.slots, self.r.C
+        r, t, C = self.env, self.env.slots, self.env.C
         phase, length, canvas, n = t.phase[idx], t.length[idx], t.canvas[idx], t.n[idx]
         is_denoise, is_commit = phase == DENOISE, phase == COMMIT
         live = phase != DONE

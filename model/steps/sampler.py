@@ -19,7 +19,7 @@ class RowSampler:
     def __init__(self, model, slots: SlotTable, passes: S.VocabPasses = S.TORCH_PASSES):
         self.slots, self.tp = slots, model.tp
         self.vocab_start = model.vocab_start
-        self.softcap = getattr(model, "logit_softcap", None)
+        self.softcap = model.logit_softcap
         self.filter_on_scaled = self.softcap is None   # masked diffusion decides filters on logits / T
         self.passes = passes
 

@@ -1,0 +1,105 @@
+"""What every step kind reads and writes, and nothing else of the runner: the model and its KV cache,
+the slots' device state, the command's outputs and drafts, and the sampler.
+
+    hidden = env.forward(idx, tokens, starts, width, causal, kv_len)   rows idx of the slot table
+    logits = env.logits(hidden)                                         this rank's slice, mask token -inf
+
+A step kind is a callable `step(plan, idx, scored)` over rows `idx` of the slot table (model/steps/plan.py)
+that updates their device state with device ops only; canvas-wide kinds also `start` canvases
+(CanvasStep below), which the causal steps call after a prefill or a commit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from model.attention import KVCache, LayeredKVCache, device_context, step_context
+from model.interface import DiffusionLM
+from model.drafts import DraftBuffer
+from model.outputs import CommandOutputs
+from model.sampling.params import DecodeParams
+from model.slots import SlotTable
+from model.steps.plan import RowPlan
+from model.steps.sampler import RowSampler
+
+
+@dataclass
+class StepEnv:
+    model: DiffusionLM
+    kv: KVCache | LayeredKVCache
+    slots: SlotTable
+    outputs: CommandOutputs
+    drafts: DraftBuffer
+    sampler: RowSampler
+    eos: torch.Tensor                    # [E] int64 ids that end a request (but with ignore_eos)
+    dtype: torch.dtype                   # the model's (and its KV cache's)
+    # tests watch steps through this: observer(event, kind, idx, logits) before ("before", with the
+    # step's raw logits) and after ("after") each step's state update; steps then run eagerly
+    observer: Callable | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.slots.device
+
+    @property
+    def C(self) -> int:
+        return self.slots.C
+
+    @property
+    def mask_id(self) -> int | None:
+        """The mask token; None for uniform-noise canvases."""
+        return self.model.config.mask_token_id
+
+    @property
+    def tp(self):
+        return self.model.tp
+
+    def forward(self, idx: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor, width: int,
+                causal: torch.Tensor, kv_len: int, lengths: torch.Tensor | None = None,
+                soft: torch.Tensor | None = None, fresh: bool = False) -> torch.Tensor:
+        """Rows idx [B] of tokens [B, width] at positions starts + [0, width) (real up to `lengths`,
+        default all) -> hidden [B, width, H]; `fresh`: a prefill (every start 0). Device ops only."""
+        lengths = torch.full_like(starts, width) if lengths is None else lengths
+        meta = torch.stack([idx, starts, lengths, causal.long()])
+        ctx, positions = device_context(self.kv, meta, width, kv_len, self.model.kv_layout.window, fresh)
+        with step_context(ctx):
+            return self.model(tokens, positions, soft)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's raw logits [..., V_r] (the LM head's dtype), the mask token's -inf (never predicted)."""
+        x = self.model.head_logits(hidden)
+        if self.mask_id is not None:
+            local = self.mask_id - self.model.vocab_start
+            if 0 <= local < x.shape[-1]:
+                x[..., local] = -torch.inf
+        return x
+
+    def observe(self, event: str, kind: str, idx: torch.Tensor, logits: torch.Tensor | None = None) -> None:
+        if self.observer is not None:
+            self.observer(event, kind, idx, logits)
+
+
+class CanvasStep(Protocol):
+    """A family's canvas-wide step kind (model/families.py names it): denoise, commit and its other phases
+    for every row at once."""
+
+    # whether a new canvas starts from the preceding causal pass's prediction (masked diffusion's seeded
+    # position 0, SPEC.md 3(a)); uniform noise needs none, and its prefill computes no logits
+    needs_prediction: bool
+
+    def __init__(self, env: StepEnv) -> None: ...
+
+    def knobs(self, params: DecodeParams) -> dict:
+        """The family's per-request knobs (a ValueError naming a bad one); their "gamma" goes to the slot
+        table (model/slots.py)."""
+
+    def admit(self, slots: list[int], knobs: list[dict]) -> None:
+        """Writes newly admitted slots' family state."""
+
+    def start(self, idx: torch.Tensor, where: torch.Tensor, prediction: torch.Tensor | None) -> None:
+        """Rows idx where `where` [B]: a new canvas (after a prefill or a commit), from `prediction` [B]
+        (the causal pass's next token) where the family seeds canvases with it."""
+
+    def __call__(self, plan: RowPlan, idx: torch.Tensor, scored: torch.Tensor) -> None: ...
