@@ -10,7 +10,9 @@ The same weights serve the causal "encoder" (prefill, commit) and the bidirectio
         h += post_attn_norm(attn(input_norm(h)))           # q/k RMS-normed, RoPE; v RMS-normed without scale
         h += post_ff_norm(post_ff_norm_1(mlp(pre_ff_norm(h))) + post_ff_norm_2(experts(pre_ff_norm_2(h), router(h))))
         h *= layer_scalar                                  # the encoder's or the decoder's, per row
-    logits_r = 30 * tanh(embed_r(norm(h)) / 30)            # fp32, this rank's vocabulary slice (tied head)
+    logits_r = embed_r(norm(h))                            # this rank's vocabulary slice (tied head)
+
+logits_r is raw: the sampler softcaps what it reads, 30 * tanh(logits_r / 30) in fp32 (`logit_softcap`).
 
 Sliding layers attend within the window (model.attention: anchored at the canvas start on denoise
 rows); full layers attend to everything, with K = V (no v_proj: values are the raw key projection)
@@ -208,8 +210,9 @@ class DiffusionGemmaModel(nn.Module):
 class DiffusionGemmaForBlockDiffusion(nn.Module):
     """forward(ids [B, L], positions [B, L], soft [B, L, H] | None) -> hidden [B, L, H] inside a
     model.attention.step_context built with window=self.sliding_window over a LayeredKVCache of
-    self.kv_layer_shapes; compute_logits(hidden) -> softcapped fp32 logits of this rank's vocabulary
-    slice; soft_embedding(probs_r) -> the next step's self-conditioning input (one all-reduce)."""
+    self.kv_layer_shapes; head_logits(hidden) -> this rank's vocabulary slice of the raw head output
+    (the sampler softcaps it by `logit_softcap`: model.sampling.stats.unscaled); soft_embedding(probs_r)
+    -> the next step's self-conditioning input (one all-reduce)."""
 
     # checkpoint module name -> (our fused module, shard id)
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -275,12 +278,6 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
         """This rank's raw logits before the softcap, in the model's dtype (the sampler softcaps them in
         fp32 as it reads them)."""
         return linear(hidden, self.decoder.embed_tokens.weight)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        cap = self.logit_softcap
-        logits = self.head_logits(hidden)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return torch.tanh(logits / cap) * cap
 
     def soft_embedding(self, probs: torch.Tensor) -> torch.Tensor:
         """probs [..., V_r]: this rank's slice of the globally normalised softmax(logits / T) ->

@@ -96,7 +96,7 @@ class NemotronLDEncoder(nn.Module):
 
 class NemotronLabsDiffusionModel(nn.Module):
     """forward(ids [B, L], positions [B, L]) -> hidden [B, L, H] inside a model.attention.step_context;
-    compute_logits(hidden [..., H]) -> this rank's logits [..., vocab_end - vocab_start]."""
+    head_logits(hidden [..., H]) -> this rank's logits [..., vocab_end - vocab_start]."""
 
     # checkpoint module name -> (our fused module, shard id)
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -128,7 +128,4 @@ class NemotronLabsDiffusionModel(nn.Module):
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's raw logits, in the model's dtype (the sampler reads them once, in fp32)."""
-        return self.diffusion_head(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.diffusion_head(hidden)

@@ -19,6 +19,7 @@ from model.loader import load_model
 from model.parallel import reductions as R
 from model.parallel.group import TPGroup, shard_range
 from model.sampling import renoise as RN
+from model.sampling.stats import unscaled
 from tests.tp_harness import FP64_TOL, assert_tp_matches, spawn_tp
 
 DTYPES = (torch.float32, torch.float64)
@@ -88,7 +89,8 @@ def forward(model, kv, rows, soft=None):
     ctx = StepContext.build(kv, [r[0] for r in rows], starts, [len(r[3]) for r in rows], [r[2] for r in rows],
                             width, "cpu", window=model.sliding_window)
     with step_context(ctx), torch.no_grad():
-        return model.compute_logits(model(ids, torch.tensor(starts)[:, None] + torch.arange(width), soft))
+        h = model(ids, torch.tensor(starts)[:, None] + torch.arange(width), soft)
+        return unscaled(model.head_logits(h), model.logit_softcap)
 
 
 def run_schedule(model, tp: TPGroup, forced: list | None = None) -> dict:
