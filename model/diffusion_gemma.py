@@ -10,7 +10,9 @@ The same weights serve the causal "encoder" (prefill, commit) and the bidirectio
         h += post_attn_norm(attn(input_norm(h)))           # q/k RMS-normed, RoPE; v RMS-normed without scale
         h += post_ff_norm(post_ff_norm_1(mlp(pre_ff_norm(h))) + post_ff_norm_2(experts(pre_ff_norm_2(h), router(h))))
         h *= layer_scalar                                  # the encoder's or the decoder's, per row
-    logits_r = 30 * tanh(embed_r(norm(h)) / 30)            # fp32, this rank's vocabulary slice (tied head)
+    logits_r = embed_r(norm(h))                            # this rank's vocabulary slice (tied head)
+
+logits_r is raw: the sampler softcaps what it reads, 30 * tanh(logits_r / 30) in fp32 (`logit_softcap`).
 
 Sliding layers attend within the window (model.attention: anchored at the canvas start on denoise
 rows); full layers attend to everything, with K = V (no v_proj: values are the raw key projection)
@@ -21,26 +23,23 @@ and proportional RoPE on a quarter of each head. Attention is unscaled (q_norm /
 Tensor parallel: query heads split, KV heads split or (fewer than tp) replicated; dense MLP,
 self-conditioning MLP and every expert split along their intermediate dims; embedding and tied head
 vocabulary-sharded. Collectives per layer: o_proj's all-reduce and one for the dense MLP and the experts
-together.
+together (model.moe).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from model import batch_invariant
 from model.attention import cached_attention, get_step_context, kv_rows
-from model.batch_invariant import linear, row_sum, softmax
+from model.batch_invariant import linear
 from model.config import FULL, SLIDING, DiffusionGemmaConfig, LayerRope
 from model.fused import (add_gemma_rms_norm, gelu_mul, gemma_feedforward_inputs, gemma_feedforward_out,
                          gemma_qkv, gemma_rms_norm)
 from model.interface import KVLayout
+from model.moe import GemmaExperts, GemmaRouter
 from model.parallel.group import TPGroup
-from model.parallel.linear import (MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_into,
-                                   divide, new_param, read_slice)
+from model.parallel.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                   VocabParallelEmbedding, new_param)
 from model.sampling.renoise import self_condition_embedding
 
 
@@ -77,48 +76,6 @@ class GemmaRotaryEmbedding(nn.Module):
         return emb.cos().to(self.dtype).unsqueeze(-2), emb.sin().to(self.dtype).unsqueeze(-2)
 
 
-class ReplicatedLinear(nn.Module):
-    def __init__(self, input_size: int, output_size: int):
-        super().__init__()
-        self.weight = new_param(output_size, input_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
-
-
-class GemmaQKVParallelLinear(nn.Module):
-    """q|k|v (sliding layers) or q|k (full layers, K = V) in one matmul. Each rank holds its query
-    heads; KV heads are split when there are at least tp of them, else replicated: rank r holds the
-    KV head its query heads read (the 26B's full layers have 2 KV heads, fewer than tp = 4 or 8)."""
-
-    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
-                 tp: TPGroup, with_v: bool):
-        super().__init__()
-        self.head_dim = head_dim
-        self.num_heads = divide(total_num_heads, tp.world_size, "num_attention_heads")
-        if total_num_kv_heads >= tp.world_size:
-            self.num_kv_heads = divide(total_num_kv_heads, tp.world_size, "num_key_value_heads")
-            kv_start = tp.rank * self.num_kv_heads
-        else:
-            divide(tp.world_size, total_num_kv_heads, "tensor_parallel_size over KV heads")
-            self.num_kv_heads, kv_start = 1, tp.rank * total_num_kv_heads // tp.world_size
-        self.checkpoint_shards = ("q", "k", "v") if with_v else ("q", "k")  # which *_proj the loader expects
-        kv = self.num_kv_heads * head_dim
-        self.sizes = {"q": self.num_heads * head_dim, "k": kv, "v": kv}
-        self.first_head = {"q": tp.rank * self.num_heads, "k": kv_start, "v": kv_start}
-        self.weight = new_param(sum(self.sizes[s] for s in self.checkpoint_shards), hidden_size,
-                                loader=self.weight_loader)
-
-    def weight_loader(self, param: nn.Parameter, source, shard_id: str) -> None:
-        offset = sum(self.sizes[s] for s in self.checkpoint_shards[: self.checkpoint_shards.index(shard_id)])
-        start = self.first_head[shard_id] * self.head_dim
-        rows = read_slice(source, 0, start, start + self.sizes[shard_id])
-        copy_into(param.data.narrow(0, offset, self.sizes[shard_id]), rows)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
-
-
 class DiffusionGemmaAttention(nn.Module):
     def __init__(self, cfg: DiffusionGemmaConfig, layer_idx: int, tp: TPGroup):
         super().__init__()
@@ -127,8 +84,8 @@ class DiffusionGemmaAttention(nn.Module):
         self.head_dim = cfg.layer_head_dim(layer_idx)
         self.total_num_heads = cfg.num_attention_heads
         self.total_num_kv_heads = cfg.layer_num_kv_heads(layer_idx)
-        self.qkv_proj = GemmaQKVParallelLinear(cfg.hidden_size, self.head_dim, self.total_num_heads,
-                                               self.total_num_kv_heads, tp, with_v=self.is_sliding)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, self.total_num_heads,
+                                          self.total_num_kv_heads, tp, with_v=self.is_sliding)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, cfg.hidden_size, tp)
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -137,8 +94,7 @@ class DiffusionGemmaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         b, n, _ = x.shape
-        sizes = [self.qkv_proj.sizes[s] for s in self.qkv_proj.checkpoint_shards]
-        q, k, *v = self.qkv_proj(x).split(sizes, dim=-1)
+        q, k, *v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(b, n, self.num_heads, self.head_dim)
         k = k.view(b, n, self.num_kv_heads, self.head_dim)
         v = v[0].view(b, n, self.num_kv_heads, self.head_dim) if v else k  # K = V: the raw key projection
@@ -150,151 +106,21 @@ class DiffusionGemmaAttention(nn.Module):
 
 
 class GemmaMLP(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x)), column/row parallel. Only `partial` (before the all-reduce):
-    a layer sums its dense MLP and its experts in one collective."""
+    """down(gelu_tanh(gate(x)) * up(x)), column/row parallel, -> this rank's partial sum: its down
+    projection does not reduce, the layer's experts sum it with theirs in one collective."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, reduce_results=False)
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(gelu_mul(self.gate_up_proj(x)), self.down_proj.weight)
-
-
-class GemmaRouter(nn.Module):
-    """Top-k experts per token from the un-normed residual: softmax in fp32, the k weights renormalised
-    to sum 1, then each scaled by its expert's `per_expert_scale`. Replicated: every rank routes alike."""
-
-    def __init__(self, cfg: DiffusionGemmaConfig):
-        super().__init__()
-        self.top_k = cfg.top_k_experts
-        self.scalar_root_size = cfg.hidden_size ** -0.5
-        self.proj = ReplicatedLinear(cfg.hidden_size, cfg.num_experts)
-        self.scale = new_param(cfg.hidden_size)
-        self.per_expert_scale = new_param(cfg.num_experts)
-
-    def forward(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """normed [T, H]: norm(x) * scale / sqrt(H) of the residual x (fused with the layer's other norms:
-        model.fused.gemma_feedforward_inputs) -> weights [T, k] fp32, expert ids [T, k]."""
-        scores = self.proj(normed)
-        if scores.is_cuda and scores.dtype != torch.float64:   # one kernel (model.kernels.routing)
-            from model.kernels.routing import route
-
-            return route(scores, self.per_expert_scale, self.top_k)
-        probs = softmax(scores, torch.promote_types(scores.dtype, torch.float32))
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / row_sum(weights).unsqueeze(-1)
-        return weights * self.per_expert_scale[ids], ids
-
-
-class GemmaExperts(nn.Module):
-    """Every expert on every rank, each split along its intermediate dim (gate|up rows, down columns),
-    so a rank's output is a partial sum like a row-parallel linear's. Checkpoint layout:
-    gate_up_proj [E, 2 * I, H] (gate rows first), down_proj [E, H, I]."""
-
-    def __init__(self, cfg: DiffusionGemmaConfig, tp: TPGroup):
-        super().__init__()
-        self.tp = tp
-        self.num_experts = cfg.num_experts
-        self.total_intermediate = cfg.moe_intermediate_size
-        self.intermediate = divide(cfg.moe_intermediate_size, tp.world_size, "moe_intermediate_size")
-        self.gate_up_proj = new_param(cfg.num_experts, 2 * self.intermediate, cfg.hidden_size,
-                                      loader=self.gate_up_loader)
-        self.down_proj = new_param(cfg.num_experts, cfg.hidden_size, self.intermediate, loader=self.down_loader)
-
-    def gate_up_loader(self, param: nn.Parameter, source) -> None:
-        i, start = self.intermediate, self.tp.rank * self.intermediate
-        for half in range(2):  # gate, then up
-            offset = half * self.total_intermediate + start
-            copy_into(param.data.narrow(1, half * i, i), read_slice(source, 1, offset, offset + i))
-
-    def down_loader(self, param: nn.Parameter, source) -> None:
-        start = self.tp.rank * self.intermediate
-        copy_into(param, read_slice(source, 2, start, start + self.intermediate))
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/ids [T, k] -> this rank's partial output [T, H]. (token, expert) pairs are
-        sorted by expert and run as one grouped matmul per projection: no host sync, no per-expert loop.
-        Each token's k outputs are combined by a weighted sum in slot order (not scattered with index_add_,
-        whose atomics race and on an H200 took 2 ms of a 26 ms step): on CUDA one kernel that reads them
-        where they lie (model.kernels.expert_combine), elsewhere a gather back to pair order and a bmm."""
-        k = ids.shape[-1]
-        pairs = sort_pairs(ids, self.num_experts)
-        y = _grouped_linear(gelu_mul(_grouped_linear(x, self.gate_up_proj, pairs, gather=True)), self.down_proj, pairs)
-        if y.is_cuda and y.dtype != torch.float64:
-            from model.kernels.expert_combine import combine
-
-            return combine(y, pairs.slot, weights).to(x.dtype)
-        grouped = y[pairs.slot].view(-1, k, y.shape[-1])   # [T, k, H], each token's pairs in slot order
-        if batch_invariant.enabled():  # slot by slot, in slot order
-            return batch_invariant.sum_in_order((grouped * weights[..., None]).transpose(0, 1)).to(x.dtype)
-        return torch.bmm(weights.unsqueeze(1).to(grouped.dtype), grouped).squeeze(1).to(x.dtype)
-
-
-class SortedPairs(NamedTuple):
-    """The (token, expert) pairs t * k + j sorted by expert (stably: within an expert, in pair order)."""
-    token: torch.Tensor           # [P]: the token of the i-th sorted pair
-    slot: torch.Tensor            # [P]: where pair t * k + j was sorted to
-    ends: torch.Tensor            # [E] int32: cumulative pairs per expert
-    tile_map: tuple[torch.Tensor, torch.Tensor] | None   # the triton grouped kernel's (CUDA), else None
-
-
-def sort_pairs(ids: torch.Tensor, num_experts: int) -> SortedPairs:
-    """On CUDA three launches of model.kernels.routing (with the grouped kernel's tile map); elsewhere a
-    stable argsort, the reference."""
-    if ids.is_cuda:
-        from model.kernels import invariant, routing
-
-        token, slot, ends, *tile_map = routing.sort_pairs(ids, num_experts, invariant.GROUPED_TILES.m)
-        return SortedPairs(token, slot, ends, tuple(tile_map))
-    k, flat = ids.shape[-1], ids.flatten()
-    # a radix sort's passes follow the key's bits: ids as the narrowest integer holding them
-    order = torch.argsort(flat.to(_narrowest_int(num_experts)), stable=True)
-    slot = torch.empty_like(order).index_copy_(0, order, torch.arange(len(order), device=order.device))
-    # tokens per expert without bincount, whose output size depends on the data (a host sync)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(
-        0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
-    return SortedPairs(order // k, slot, torch.cumsum(counts, 0).to(torch.int32), None)
-
-
-def _narrowest_int(n: int) -> torch.dtype:
-    """The narrowest integer dtype holding 0..n-1."""
-    return torch.uint8 if n <= 256 else torch.int16 if n <= 1 << 15 else torch.int32
-
-
-# rows per expert (on average) up to which model.kernels.invariant's grouped kernel beats grouped_mm
-# (H200, bf16: 0.89x its time at 16 rows per expert, 0.98x at 32, 1.2x at 64)
-FEW_ROWS_PER_EXPERT = 32
-
-
-def _grouped_linear(x: torch.Tensor, w: torch.Tensor, pairs: SortedPairs, gather: bool = False) -> torch.Tensor:
-    """The sorted pairs' rows (x's rows in pair order; `gather`: x [T, in] is per token, row i of the
-    problem is x[pairs.token[i]]) times their expert's weight: -> [P, out] (w [E, out, in])."""
-    rows = pairs.token if gather else None
-    n = pairs.token.shape[0]
-    if x.is_cuda and x.dtype != torch.float64 and (batch_invariant.enabled() or n <= FEW_ROWS_PER_EXPERT * w.shape[0]):
-        return batch_invariant.grouped_matmul(x, w, pairs.ends, rows, pairs.tile_map)
-    if gather:
-        x = x[rows]
-    if _grouped_mm_takes(x):
-        return F.grouped_mm(x, w.transpose(1, 2), offs=pairs.ends)
-    # every row with its own group's weight: dtypes grouped_mm lacks (fp32 on CUDA, the tests' float64);
-    # no host sync, but N weight copies, so only for the small models those run
-    group = torch.searchsorted(pairs.ends, torch.arange(n, device=x.device, dtype=pairs.ends.dtype), right=True)
-    return torch.einsum("ni,noi->no", x, w[group])
-
-
-def _grouped_mm_takes(x: torch.Tensor) -> bool:
-    if not hasattr(F, "grouped_mm"):
-        return False
-    return x.dtype == torch.bfloat16 or (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float16))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_mul(self.gate_up_proj(x)))
 
 
 class DiffusionGemmaDecoderLayer(nn.Module):
     def __init__(self, cfg: DiffusionGemmaConfig, layer_idx: int, tp: TPGroup):
         super().__init__()
-        self.tp = tp
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = DiffusionGemmaAttention(cfg, layer_idx, tp)
         self.mlp = GemmaMLP(h, cfg.intermediate_size, tp)
@@ -313,15 +139,13 @@ class DiffusionGemmaDecoderLayer(nn.Module):
         eps = self.input_layernorm.eps
         h = add_gemma_rms_norm(h, self.self_attn(self.input_layernorm(h), rope), self.post_attention_layernorm.weight,
                                eps)
-        flat = h.reshape(-1, h.shape[-1])
+        # pre_ff_norm(h), pre_ff_norm_2(h) and the router's norm, in one kernel
         x_dense, x_moe, x_router = gemma_feedforward_inputs(
-            flat, self.pre_feedforward_layernorm.weight, self.pre_feedforward_layernorm_2.weight,
+            h.reshape(-1, h.shape[-1]), self.pre_feedforward_layernorm.weight, self.pre_feedforward_layernorm_2.weight,
             self.router.scale, self.router.scalar_root_size, eps)
         weights, ids = self.router(x_router)
-        dense = self.mlp.partial(x_dense)
-        moe = self.experts(x_moe, weights, ids)
-        if self.tp.is_parallel:   # one collective for both partial sums (alone: no copy into a stack)
-            dense, moe = self.tp.all_reduce(torch.stack([dense, moe]))
+        dense, moe = self.experts(x_moe, weights, ids, shared=self.mlp(x_dense))   # both summed over ranks
+        # h = (h + post_ff_norm(post_ff_norm_1(dense) + post_ff_norm_2(moe))) * layer_scalar
         return gemma_feedforward_out(h, dense.view_as(h), moe.view_as(h), self.post_feedforward_layernorm_1.weight,
                                      self.post_feedforward_layernorm_2.weight, self.post_feedforward_layernorm.weight,
                                      layer_scalar, eps)
@@ -387,8 +211,9 @@ class DiffusionGemmaModel(nn.Module):
 class DiffusionGemmaForBlockDiffusion(nn.Module):
     """forward(ids [B, L], positions [B, L], soft [B, L, H] | None) -> hidden [B, L, H] inside a
     model.attention.step_context built with window=self.sliding_window over a LayeredKVCache of
-    self.kv_layer_shapes; compute_logits(hidden) -> softcapped fp32 logits of this rank's vocabulary
-    slice; soft_embedding(probs_r) -> the next step's self-conditioning input (one all-reduce)."""
+    self.kv_layer_shapes; head_logits(hidden) -> this rank's vocabulary slice of the raw head output
+    (the sampler softcaps it by `logit_softcap`: model.sampling.stats.unscaled); soft_embedding(probs_r)
+    -> the next step's self-conditioning input (one all-reduce)."""
 
     # checkpoint module name -> (our fused module, shard id)
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -458,12 +283,6 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
         """This rank's raw logits before the softcap, in the model's dtype (the sampler softcaps them in
         fp32 as it reads them)."""
         return linear(hidden, self.decoder.embed_tokens.weight)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        cap = self.logit_softcap
-        logits = self.head_logits(hidden)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return torch.tanh(logits / cap) * cap
 
     def soft_embedding(self, probs: torch.Tensor) -> torch.Tensor:
         """probs [..., V_r]: this rank's slice of the globally normalised softmax(logits / T) ->

@@ -31,24 +31,22 @@ class NemotronLDAttention(nn.Module):
         self.head_dim = cfg.head_size
         self.total_num_heads = cfg.num_attention_heads
         self.total_num_kv_heads = cfg.num_key_value_heads
-        self.num_heads = self.total_num_heads // tp.world_size
-        self.num_kv_heads = self.total_num_kv_heads // tp.world_size
         self.scale = self.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, self.total_num_heads,
                                           self.total_num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         b, n, _ = x.shape
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(b, n, self.num_heads, self.head_dim)
         k = k.view(b, n, self.num_kv_heads, self.head_dim)
         v = v.view(b, n, self.num_kv_heads, self.head_dim)
         cos, sin, q_scale = rope
         q, k = rotary(q, k, cos, sin, q_scale, v, kv_rows(self.layer_idx))
         o = cached_attention(q, k, v, self.layer_idx, self.scale, stored=True)
-        return self.o_proj(o.reshape(b, n, q_size))
+        return self.o_proj(o.reshape(b, n, self.num_heads * self.head_dim))
 
 
 class NemotronLDMLP(nn.Module):
@@ -99,7 +97,7 @@ class NemotronLDEncoder(nn.Module):
 
 class NemotronLabsDiffusionModel(nn.Module):
     """forward(ids [B, L], positions [B, L]) -> hidden [B, L, H] inside a model.attention.step_context;
-    compute_logits(hidden [..., H]) -> this rank's logits [..., vocab_end - vocab_start]."""
+    head_logits(hidden [..., H]) -> this rank's logits [..., vocab_end - vocab_start]."""
 
     # checkpoint module name -> (our fused module, shard id)
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -137,7 +135,4 @@ class NemotronLabsDiffusionModel(nn.Module):
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's raw logits, in the model's dtype (the sampler reads them once, in fp32)."""
-        return self.diffusion_head(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.diffusion_head(hidden)

@@ -244,7 +244,7 @@ def test_recorded_logits_are_those_of_the_canvas_before_the_step(stepped, model)
                 ctx = StepContext.build(kv, [0], [length], [C], [False], C, "cpu")
                 with step_context(ctx):
                     h = model(step["before"][i][None], torch.arange(length, length + C)[None])
-                logits = model.compute_logits(h).float()[0].clone()
+                logits = model.head_logits(h).float()[0].clone()
                 logits[:, MASK] = -torch.inf
             assert torch.allclose(logits, step["logits"][i], atol=1e-4)
 

@@ -13,6 +13,7 @@ from model.checkpoint import parse_model_config
 from model.families import FAMILIES
 from model.config import DiffusionGemmaConfig, RenoiseDefaults, load_generation_defaults
 from model.loader import expected_tensors, load_model
+from model.sampling.stats import unscaled
 from tests.reference import gemma_generate_with_our_draws
 
 TOL = 1e-4
@@ -85,7 +86,7 @@ def run(model, kv, rows, window: int | None = None) -> torch.Tensor:
     ctx = StepContext.build(kv, [r[0] for r in rows], starts, [len(r[3]) for r in rows], [r[2] for r in rows],
                             width, "cpu", window=window or model.sliding_window)
     with step_context(ctx), torch.no_grad():
-        return model.compute_logits(model(ids, positions, soft))
+        return unscaled(model.head_logits(model(ids, positions, soft)), model.logit_softcap)
 
 
 def soft_of(model, sc_logits: torch.Tensor) -> torch.Tensor:

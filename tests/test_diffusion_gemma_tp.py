@@ -19,6 +19,7 @@ from model.loader import load_model
 from model.parallel import reductions as R
 from model.parallel.group import TPGroup, shard_range
 from model.sampling import renoise as RN
+from model.sampling.stats import unscaled
 from tests.tp_harness import FP64_TOL, assert_tp_matches, spawn_tp
 
 DTYPES = (torch.float32, torch.float64)
@@ -88,7 +89,8 @@ def forward(model, kv, rows, soft=None):
     ctx = StepContext.build(kv, [r[0] for r in rows], starts, [len(r[3]) for r in rows], [r[2] for r in rows],
                             width, "cpu", window=model.sliding_window)
     with step_context(ctx), torch.no_grad():
-        return model.compute_logits(model(ids, torch.tensor(starts)[:, None] + torch.arange(width), soft))
+        h = model(ids, torch.tensor(starts)[:, None] + torch.arange(width), soft)
+        return unscaled(model.head_logits(h), model.logit_softcap)
 
 
 def run_schedule(model, tp: TPGroup, forced: list | None = None) -> dict:
@@ -106,14 +108,16 @@ def run_schedule(model, tp: TPGroup, forced: list | None = None) -> dict:
     p0, p1 = torch.randint(0, V, (20,), generator=gen), torch.randint(0, V, (9,), generator=gen)
     dtype = model.decoder.embed_tokens.weight.dtype
     kv = LayeredKVCache(model.kv_layer_shapes, 2, 96, dtype, "cpu")
-    out = {"logits": [], "steps": [], "soft": [], "inputs": []}
+    out = {"logits": [], "steps": [], "soft": [], "inputs": [], "forward_all_reduces": []}
 
     def fwd(rows, soft=None):
         if forced is not None:
             rows, soft = forced[len(out["inputs"])]
             soft = None if soft is None else soft.to(dtype)
         out["inputs"].append((rows, soft))
-        local = forward(model, kv, rows, soft)
+        with CountAllReduce() as count:
+            local = forward(model, kv, rows, soft)
+        out["forward_all_reduces"].append(count.calls)
         out["logits"].append(R.gather_vocab(local, V, tp))
         return local
 
@@ -141,6 +145,7 @@ def run_schedule(model, tp: TPGroup, forced: list | None = None) -> dict:
     fwd([(0, 36, False, canvas[0])], soft[:1])
     out["shapes"] = alloc.shapes
     out["vocab_width"] = model.vocab_end - model.vocab_start
+    out["layers"] = cfg.num_hidden_layers
     return out
 
 
@@ -212,6 +217,21 @@ def test_no_rank_materialises_full_vocabulary_tensors(ranks):
         assert s["shapes"] and all(V not in shape for shape in s["shapes"])
         assert max(torch.Size(shape).numel() for shape in s["shapes"]) < V * 64
         assert s["soft_all_reduces"] == 1
+
+
+def test_a_forward_has_two_all_reduces_per_layer(ranks, tp1):
+    """A forward's all-reduces: the embedding's, the self-conditioning MLP's where a step has its input,
+    and two per layer: attention's output projection and ONE for the dense MLP and the experts together
+    (each branch reducing its own would be three)."""
+    layers = tp1[torch.float32]["layers"]
+    assert layers > 1
+    with_soft = [soft is not None for _, soft in tp1[torch.float32]["inputs"]]
+    assert with_soft == [False, False, True, True, True, True]
+    expected = [1 + soft + 2 * layers for soft in with_soft]
+    for r in ranks:
+        for dt in DTYPES:
+            assert r[dt]["forward_all_reduces"] == expected
+    assert tp1[torch.float32]["forward_all_reduces"] == [0] * len(with_soft)   # TP = 1: none
 
 
 def test_logits_and_self_conditioning_equal_tp1(ranks, tp1):

@@ -12,7 +12,7 @@ CHECK = r"""
 import torch
 from model.attention import KVRows
 from model.fused import _gemma_qkv, _rotary_qk
-from model.diffusion_gemma import sort_pairs
+from model.moe import sort_pairs
 from model.kernels import routing
 from model.kernels.expert_combine import combine
 from model.kernels.invariant import make_tile_map

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from model.parallel import reductions as R
 from model.parallel.group import TPGroup, shard_range
 from model.parallel.linear import ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear
-from model.parallel.linear import VocabParallelEmbedding
+from model.parallel.linear import ReplicatedLinear, VocabParallelEmbedding
 from tests.tp_harness import dense_reductions, reduction_cases, sharded_reductions
 
 TP1 = TPGroup()
@@ -182,6 +182,51 @@ def test_qkv_and_row_parallel_loaders_take_each_ranks_heads(world):
         os_.append(row.weight.detach())
     assert torch.equal(torch.cat(qs), q) and torch.equal(torch.cat(ks), k) and torch.equal(torch.cat(vs), v)
     assert torch.equal(torch.cat(os_, dim=1), o)
+
+
+@pytest.mark.parametrize("with_v", [True, False])
+def test_qkv_loader_replicates_kv_heads_fewer_than_tp(with_v):
+    """2 KV heads at TP = 4: ranks 0-1 hold head 0, ranks 2-3 head 1 (the ones their query heads read);
+    without v (values = keys) the fused weight is q|k."""
+    h, d, nq, nkv, world = 12, 4, 8, 2, 4
+    q, k, v = (torch.randn(n * d, h) for n in (nq, nkv, nkv))
+    for rank in range(world):
+        qkv = QKVParallelLinear(h, d, nq, nkv, fake_rank(rank, world), with_v=with_v)
+        assert (qkv.num_heads, qkv.num_kv_heads) == (2, 1)
+        assert qkv.checkpoint_shards == (("q", "k", "v") if with_v else ("q", "k"))
+        for shard, src in zip(qkv.checkpoint_shards, (q, k, v)):
+            qkv.weight.weight_loader(qkv.weight, src, shard)
+        parts = qkv.weight.detach().split(qkv.output_sizes)
+        kv_head = rank * nkv // world
+        assert torch.equal(parts[0], q[rank * 2 * d: (rank + 1) * 2 * d])
+        assert torch.equal(parts[1], k[kv_head * d: (kv_head + 1) * d])
+        if with_v:
+            assert torch.equal(parts[2], v[kv_head * d: (kv_head + 1) * d])
+    with pytest.raises(ValueError, match="num_key_value_heads=3 can be neither split nor replicated"):
+        QKVParallelLinear(h, d, nq, 3, fake_rank(0, 4))
+
+
+def test_row_parallel_without_reduce_returns_the_partial_sum(monkeypatch):
+    """reduce_results=False: this rank's x_r W_r^T and no collective (its layer sums it with others)."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("no collective with reduce_results=False")
+
+    monkeypatch.setattr(dist, "all_reduce", forbidden)
+    w, x = torch.randn(3, 8), torch.randn(2, 8)
+    for rank in range(2):
+        row = RowParallelLinear(8, 3, fake_rank(rank, 2), reduce_results=False)
+        row.weight.weight_loader(row.weight, w)
+        cols = slice(rank * 4, (rank + 1) * 4)
+        torch.testing.assert_close(row(x[:, cols]), F.linear(x[:, cols], w[:, cols]))
+
+
+def test_replicated_linear_loads_the_whole_weight():
+    w = torch.randn(5, 8)
+    lin = ReplicatedLinear(8, 5)
+    lin.weight.weight_loader(lin.weight, w)
+    assert torch.equal(lin.weight, w)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(lin(x), F.linear(x, w))
 
 
 def test_parallel_linear_rejects_indivisible_sizes_and_wrong_shapes():

@@ -150,7 +150,7 @@ def run_rows(model, kv: KVCache, rows, ids_rows) -> torch.Tensor:
     ctx = StepContext.build(kv, [s for s, _, _ in rows], starts, [len(t) for t in ids_rows],
                             [c for _, _, c in rows], width, "cpu")
     with step_context(ctx), torch.no_grad():
-        return model.compute_logits(model(ids, positions))
+        return model.head_logits(model(ids, positions))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -43,14 +43,38 @@ def divide(total: int, tp: int, what: str) -> int:
     return total // tp
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's output rows split across ranks; output stays sharded (no collective)."""
+class LinearBase(nn.Module):
+    """y = x W^T with this rank's W [output_size, input_size], built already sharded. The seams of a
+    quantized variant: `weight` with its `weight_loader(param, source[, shard_id])` (what a rank stores,
+    and how a checkpoint slice gets there; each subclass defines its loader), and `matmul` (the one
+    place the weight is applied: model.batch_invariant.linear, which the batch-invariant mode routes)."""
+
+    def __init__(self, input_size: int, output_size: int):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size   # this rank's
+        self.weight = new_param(output_size, input_size, loader=self.weight_loader)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole W on every rank (DiffusionGemma's router): every rank computes the same output."""
+
+    def weight_loader(self, param: nn.Parameter, source) -> None:
+        replicated_loader(param, source)
+
+
+class ColumnParallelLinear(LinearBase):
+    """W's output rows split across ranks; the output stays sharded (no collective)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], tp: TPGroup):
-        super().__init__()
-        self.tp = tp
-        self.output_sizes = [divide(n, tp.world_size, "output size") for n in output_sizes]
-        self.weight = new_param(sum(self.output_sizes), input_size, loader=self.weight_loader)
+        shards = [divide(n, tp.world_size, "output size") for n in output_sizes]
+        super().__init__(input_size, sum(shards))
+        self.tp, self.output_sizes = tp, shards
 
     def weight_loader(self, param: nn.Parameter, source, shard_id: int = 0) -> None:
         size = self.output_sizes[shard_id]
@@ -58,43 +82,65 @@ class ColumnParallelLinear(nn.Module):
         rows = read_slice(source, 0, self.tp.rank * size, (self.tp.rank + 1) * size)
         copy_into(param.data.narrow(0, offset, size), rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
-
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one matmul (gate|up)."""
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """q|k|v in one matmul; each rank holds its heads of each. shard_id is "q", "k" or "v"."""
+class QKVParallelLinear(LinearBase):
+    """q|k|v in one matmul, or q|k (`with_v=False`: DiffusionGemma's full layers, whose values are their
+    raw keys). Each rank holds its query heads; KV heads are split when there are at least tp of them,
+    else replicated: rank r holds the one KV head its query heads read (the 26B's full layers have 2 KV
+    heads, fewer than tp = 4 or 8). shard_id is "q", "k" or "v"."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
-                 tp: TPGroup):
-        divide(total_num_heads, tp.world_size, "num_attention_heads")
-        divide(total_num_kv_heads, tp.world_size, "num_key_value_heads")
-        kv = total_num_kv_heads * head_dim
-        super().__init__(hidden_size, [total_num_heads * head_dim, kv, kv], tp)
+                 tp: TPGroup, with_v: bool = True):
+        num_heads = divide(total_num_heads, tp.world_size, "num_attention_heads")
+        if total_num_kv_heads >= tp.world_size:
+            num_kv_heads = divide(total_num_kv_heads, tp.world_size, "num_key_value_heads")
+            kv_start = tp.rank * num_kv_heads
+        elif tp.world_size % total_num_kv_heads == 0:
+            num_kv_heads, kv_start = 1, tp.rank * total_num_kv_heads // tp.world_size
+        else:
+            raise ValueError(f"num_key_value_heads={total_num_kv_heads} can be neither split nor replicated "
+                             f"tensor_parallel_size={tp.world_size} ways")
+        shards = ("q", "k", "v") if with_v else ("q", "k")
+        sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
+        super().__init__(hidden_size, sum(sizes[s] for s in shards))
+        self.tp = tp
+        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+        self.checkpoint_shards = shards   # which *_proj the loader expects
+        self.sizes = sizes
+        self.first_head = {"q": tp.rank * num_heads, "k": kv_start, "v": kv_start}
+
+    @property
+    def output_sizes(self) -> list[int]:
+        """This rank's q, k (and v) widths, in the fused weight's order: how to split the output."""
+        return [self.sizes[s] for s in self.checkpoint_shards]
 
     def weight_loader(self, param: nn.Parameter, source, shard_id: str = "q") -> None:
-        super().weight_loader(param, source, "qkv".index(shard_id))
+        offset = sum(self.sizes[s] for s in self.checkpoint_shards[: self.checkpoint_shards.index(shard_id)])
+        start = self.first_head[shard_id] * self.head_dim
+        rows = read_slice(source, 0, start, start + self.sizes[shard_id])
+        copy_into(param.data.narrow(0, offset, self.sizes[shard_id]), rows)
 
 
-class RowParallelLinear(nn.Module):
-    """y = x W^T with W's input columns split across ranks; one all-reduce sums the partial outputs."""
+class RowParallelLinear(LinearBase):
+    """W's input columns split across ranks, so each rank's output is a partial sum: one all-reduce sums
+    them, unless `reduce_results=False`, where the caller's layer sums them together with others in one
+    collective (DiffusionGemma's dense MLP, with its experts: model.moe.GemmaExperts)."""
 
-    def __init__(self, input_size: int, output_size: int, tp: TPGroup):
-        super().__init__()
-        self.tp = tp
-        self.input_size = divide(input_size, tp.world_size, "input size")
-        self.weight = new_param(output_size, self.input_size, loader=self.weight_loader)
+    def __init__(self, input_size: int, output_size: int, tp: TPGroup, reduce_results: bool = True):
+        super().__init__(divide(input_size, tp.world_size, "input size"), output_size)
+        self.tp, self.reduce_results = tp, reduce_results
 
     def weight_loader(self, param: nn.Parameter, source) -> None:
         n = self.input_size
         copy_into(param, read_slice(source, 1, self.tp.rank * n, (self.tp.rank + 1) * n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(linear(x, self.weight))
+        y = self.matmul(x)
+        return self.tp.all_reduce(y) if self.reduce_results else y
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,0 +1,168 @@
+"""DiffusionGemma's mixture of experts (SPEC.md 2.2), one tensor-parallel rank of it: the router and
+the routed experts of a layer.
+
+    weights, ids = router(x)                   top-k experts per token, softmax-renormalised, scaled
+    moe(x)       = sum_j weights_j * down_e(gelu_tanh(gate_e(x)) * up_e(x)),   e = ids_j
+
+Every expert lives on every rank, split along its intermediate dim, so a rank's output is a partial
+sum, as a row-parallel linear's is. The layer's dense MLP is one too (its down projection does not
+reduce), and the experts sum both in one all-reduce: one collective per layer for the feed-forward.
+
+The (token, expert) pairs are sorted by expert and each projection runs as one grouped matmul over
+them (`grouped_linear`): no host sync and no per-expert loop, so a step stays CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model import batch_invariant
+from model.batch_invariant import row_sum, softmax
+from model.config import DiffusionGemmaConfig
+from model.fused import gelu_mul
+from model.parallel.group import TPGroup
+from model.parallel.linear import ReplicatedLinear, copy_into, divide, new_param, read_slice
+
+
+class GemmaRouter(nn.Module):
+    """Top-k experts per token from the un-normed residual: softmax in fp32, the k weights renormalised
+    to sum 1, then each scaled by its expert's `per_expert_scale`. Replicated: every rank routes alike."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig):
+        super().__init__()
+        self.top_k = cfg.top_k_experts
+        self.scalar_root_size = cfg.hidden_size ** -0.5
+        self.proj = ReplicatedLinear(cfg.hidden_size, cfg.num_experts)
+        self.scale = new_param(cfg.hidden_size)
+        self.per_expert_scale = new_param(cfg.num_experts)
+
+    def forward(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """normed [T, H]: norm(x) * scale / sqrt(H) of the residual x (fused with the layer's other norms:
+        model.fused.gemma_feedforward_inputs) -> weights [T, k] fp32, expert ids [T, k]."""
+        scores = self.proj(normed)
+        if scores.is_cuda and scores.dtype != torch.float64:   # one kernel (model.kernels.routing)
+            from model.kernels.routing import route
+
+            return route(scores, self.per_expert_scale, self.top_k)
+        probs = softmax(scores, torch.promote_types(scores.dtype, torch.float32))
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / row_sum(weights).unsqueeze(-1)
+        return weights * self.per_expert_scale[ids], ids
+
+
+class GemmaExperts(nn.Module):
+    """Every expert on every rank, each split along its intermediate dim (gate|up rows, down columns).
+    Checkpoint layout: gate_up_proj [E, 2 * I, H] (gate rows first), down_proj [E, H, I]. The seams of a
+    quantized variant: the two weights with their loaders, and `grouped_linear`, the one place they are
+    applied."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.num_experts = cfg.num_experts
+        self.total_intermediate = cfg.moe_intermediate_size
+        self.intermediate = divide(cfg.moe_intermediate_size, tp.world_size, "moe_intermediate_size")
+        self.gate_up_proj = new_param(cfg.num_experts, 2 * self.intermediate, cfg.hidden_size,
+                                      loader=self.gate_up_loader)
+        self.down_proj = new_param(cfg.num_experts, cfg.hidden_size, self.intermediate, loader=self.down_loader)
+
+    def gate_up_loader(self, param: nn.Parameter, source) -> None:
+        i, start = self.intermediate, self.tp.rank * self.intermediate
+        for half in range(2):  # gate, then up
+            offset = half * self.total_intermediate + start
+            copy_into(param.data.narrow(1, half * i, i), read_slice(source, 1, offset, offset + i))
+
+    def down_loader(self, param: nn.Parameter, source) -> None:
+        start = self.tp.rank * self.intermediate
+        copy_into(param, read_slice(source, 2, start, start + self.intermediate))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                shared: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H], weights/ids [T, k] (the router's); shared [T, H]: this rank's partial sum of another
+        branch of the same tokens (the layer's dense MLP) -> (shared, experts' output) [T, H] each, both
+        summed over the ranks in one all-reduce."""
+        pairs = sort_pairs(ids, self.num_experts)
+        y = grouped_linear(gelu_mul(grouped_linear(x, self.gate_up_proj, pairs, gather=True)), self.down_proj, pairs)
+        routed = combine_pairs(y, pairs, weights).to(x.dtype)
+        if not self.tp.is_parallel:   # alone: no copy into a stack
+            return shared, routed
+        shared, routed = self.tp.all_reduce(torch.stack([shared, routed]))
+        return shared, routed
+
+
+class SortedPairs(NamedTuple):
+    """The (token, expert) pairs t * k + j sorted by expert (stably: within an expert, in pair order)."""
+    token: torch.Tensor           # [P]: the token of the i-th sorted pair
+    slot: torch.Tensor            # [P]: where pair t * k + j was sorted to
+    ends: torch.Tensor            # [E] int32: cumulative pairs per expert
+    tile_map: tuple[torch.Tensor, torch.Tensor] | None   # the triton grouped kernel's (CUDA), else None
+
+
+def sort_pairs(ids: torch.Tensor, num_experts: int) -> SortedPairs:
+    """On CUDA three launches of model.kernels.routing (with the grouped kernel's tile map); elsewhere a
+    stable argsort, the reference."""
+    if ids.is_cuda:
+        from model.kernels import invariant, routing
+
+        token, slot, ends, *tile_map = routing.sort_pairs(ids, num_experts, invariant.GROUPED_TILES.m)
+        return SortedPairs(token, slot, ends, tuple(tile_map))
+    k, flat = ids.shape[-1], ids.flatten()
+    # a radix sort's passes follow the key's bits: ids as the narrowest integer holding them
+    order = torch.argsort(flat.to(_narrowest_int(num_experts)), stable=True)
+    slot = torch.empty_like(order).index_copy_(0, order, torch.arange(len(order), device=order.device))
+    # tokens per expert without bincount, whose output size depends on the data (a host sync)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(
+        0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+    return SortedPairs(order // k, slot, torch.cumsum(counts, 0).to(torch.int32), None)
+
+
+def _narrowest_int(n: int) -> torch.dtype:
+    """The narrowest integer dtype holding 0..n-1."""
+    return torch.uint8 if n <= 256 else torch.int16 if n <= 1 << 15 else torch.int32
+
+
+# rows per expert (on average) up to which model.kernels.invariant's grouped kernel, which reads each
+# pair's token row in place, beats grouped_mm (README.md, "Where the time goes")
+FEW_ROWS_PER_EXPERT = 32
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, pairs: SortedPairs, gather: bool = False) -> torch.Tensor:
+    """The sorted pairs' rows (x's rows in pair order; `gather`: x [T, in] is per token, row i of the
+    problem is x[pairs.token[i]]) times their expert's weight: -> [P, out] (w [E, out, in])."""
+    rows = pairs.token if gather else None
+    n = pairs.token.shape[0]
+    if x.is_cuda and x.dtype != torch.float64 and (batch_invariant.enabled() or n <= FEW_ROWS_PER_EXPERT * w.shape[0]):
+        return batch_invariant.grouped_matmul(x, w, pairs.ends, rows, pairs.tile_map)
+    if gather:
+        x = x[rows]
+    if _grouped_mm_takes(x):
+        return F.grouped_mm(x, w.transpose(1, 2), offs=pairs.ends)
+    # every row with its own group's weight: dtypes grouped_mm lacks (fp32 on CUDA, the tests' float64);
+    # no host sync, but N weight copies, so only for the small models those run
+    group = torch.searchsorted(pairs.ends, torch.arange(n, device=x.device, dtype=pairs.ends.dtype), right=True)
+    return torch.einsum("ni,noi->no", x, w[group])
+
+
+def _grouped_mm_takes(x: torch.Tensor) -> bool:
+    if not hasattr(F, "grouped_mm"):
+        return False
+    return x.dtype == torch.bfloat16 or (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float16))
+
+
+def combine_pairs(y: torch.Tensor, pairs: SortedPairs, weights: torch.Tensor) -> torch.Tensor:
+    """y [P, H] in sorted pair order, weights [T, k] -> each token's weighted sum of its k outputs [T, H],
+    in slot order (not scattered with index_add_, whose atomics race and were slower): on CUDA one
+    kernel that reads them where they lie (model.kernels.expert_combine), elsewhere a gather back to
+    pair order and a bmm."""
+    k = weights.shape[-1]
+    if y.is_cuda and y.dtype != torch.float64:
+        from model.kernels.expert_combine import combine
+
+        return combine(y, pairs.slot, weights)
+    grouped = y[pairs.slot].view(-1, k, y.shape[-1])   # [T, k, H], each token's pairs in slot order
+    if batch_invariant.enabled():  # slot by slot, in slot order
+        return batch_invariant.sum_in_order((grouped * weights[..., None]).transpose(0, 1))
+    return torch.bmm(weights.unsqueeze(1).to(grouped.dtype), grouped).squeeze(1)
