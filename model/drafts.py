@@ -10,21 +10,20 @@ per-slot cursor like `CommandOutputs.emit` appends tokens. A snapshot is the can
     DiffusionGemma     tokens: the argmax canvas (what a commit would emit; the sampled canvas is partly
                        uniform noise); known: accepted by the entropy bound at that step
 
-Only rows in a step's `RowPlan.drafting` do any of this, and `copy_out` copies only drafting slots:
-requests that did not ask pay nothing. Snapshots read the canvas and write nothing else, so committed
-tokens and scores do not depend on them.
+Every row of a step whose plan drafts (a CUDA graph's always does) computes the condition, and only
+rows whose `draft_every` is set can meet it; `copy_out` copies only drafting slots. Snapshots read the
+canvas and write nothing else, so committed tokens and scores do not depend on them.
 """
 from __future__ import annotations
 
 import torch
 
 from model.protocol import Draft
-from model.steps.plan import RowPlan
 
 
 class DraftBuffer:
     def __init__(self, num_slots: int, canvas_length: int, max_steps: int, device: torch.device):
-        S, C, dev = num_slots, canvas_length, device
+        S, C, dev = num_slots + 1, canvas_length, device   # + the slot table's padding row
         self.device, self.max_drafts = dev, max_steps    # at most one snapshot per step
         D = max_steps + 1                                 # the last row takes the writes of rows not due
         self.every = torch.zeros(S, dtype=torch.int64, device=dev)   # draft_every; 0: the slot does not draft
@@ -33,7 +32,6 @@ class DraftBuffer:
         self.start = torch.zeros(S, D, dtype=torch.int64, device=dev)    # the canvas's first absolute position
         self.step = torch.zeros(S, D, dtype=torch.int64, device=dev)     # denoising steps of the canvas so far
         self.count = torch.zeros(S, dtype=torch.int64, device=dev)       # the cursor: snapshots this command
-        self._rows: dict[tuple[int, ...], torch.Tensor] = {}
 
     def admit(self, slots: list[int], every: list[int]) -> None:
         pinned = self.device.type == "cuda"
@@ -44,31 +42,19 @@ class DraftBuffer:
     def reset(self) -> None:
         self.count.zero_()
 
-    def rows(self, plan: RowPlan) -> torch.Tensor:
-        """The drafting rows of a plan as a device tensor, made once per row set: a step's first run is
-        eager (graphs.py), so a captured step finds it already made and copies nothing from the host."""
-        rows = self._rows.get(plan.drafting)
-        if rows is None:
-            pinned = self.device.type == "cuda"
-            rows = torch.tensor(plan.drafting, dtype=torch.int64, pin_memory=pinned).to(self.device, non_blocking=True)
-            self._rows[plan.drafting] = rows
-        return rows
-
-    def record(self, plan: RowPlan, idx: torch.Tensor, tokens: torch.Tensor, known: torch.Tensor,
-               step: torch.Tensor, denoised: torch.Tensor, start: torch.Tensor) -> None:
+    def record(self, idx: torch.Tensor, tokens: torch.Tensor, known: torch.Tensor, step: torch.Tensor,
+               denoised: torch.Tensor, start: torch.Tensor) -> None:
         """After a canvas-wide step of rows idx [B]: tokens/known [B, C] the canvas as a draft shows it,
         step [B] its denoising steps so far, denoised [B] rows whose step was a denoise, start [B] the
         canvas's first position. Drafting rows snapshot where step is a multiple of their draft_every."""
-        rows = self.rows(plan)
-        slots = idx[rows]
-        step = step[rows]
-        due = denoised[rows] & (step % self.every[slots].clamp(min=1) == 0)
-        dest = torch.where(due, self.count[slots], self.max_drafts).clamp(max=self.max_drafts)
-        self.tokens.index_put_((slots, dest), tokens[rows])
-        self.known.index_put_((slots, dest), known[rows])
-        self.start.index_put_((slots, dest), start[rows])
-        self.step.index_put_((slots, dest), step)
-        self.count.index_add_(0, slots, due.long())
+        every = self.every[idx]
+        due = denoised & (every > 0) & (step % every.clamp(min=1) == 0)
+        dest = torch.where(due, self.count[idx], self.max_drafts).clamp(max=self.max_drafts)
+        self.tokens.index_put_((idx, dest), tokens)
+        self.known.index_put_((idx, dest), known)
+        self.start.index_put_((idx, dest), start)
+        self.step.index_put_((idx, dest), step)
+        self.count.index_add_(0, idx, due.long())
 
     def parts(self, slots: list[int], steps: int) -> dict[str, torch.Tensor]:
         """What copy_out copies for the drafting `slots` of a command of `steps` steps."""

@@ -1,54 +1,105 @@
 """CUDA graphs of whole steps: forward, sampler and state update of a canvas-wide or AR step, and of
-prefills up to PREFILL_GRAPH_TOKENS (rows x width).
+prefills up to PREFILL_GRAPH_TOKENS (rows x width), from a closed set captured before a shard serves.
 
 A forward of the 8B model is a few hundred kernels and the sampler a few dozen more; launched one by
 one from Python their launch cost exceeds the GPU time of a small batch. A step reads everything from
 the runner's slot-indexed buffers through two index tensors (its rows' slots, its scored rows) and
-writes its results back into them, so a graph of it needs nothing but those two indices copied in.
-Graphs are keyed by the step kind and its RowPlan (batch, key length, sampler work); the first run of
-a key is eager (it warms up kernels, allocators and communicators and does the real step), the second
-is captured and replayed, every later one replayed.
+writes its results back into them, so a graph of it needs nothing but those indices copied in.
 
-A prefill of at most PREFILL_GRAPH_TOKENS (rows x width) is a graph too, keyed by its plan and its
-width: its prompts padded to `prefill_width` (a power of two up to KEY_BUCKET, then a multiple of it),
-its tokens, lengths and modes copied in with its indices. Eager, the 26B-A4B DiffusionGemma shape's
-1024-token prefill took 97 ms on an H200 whose kernels took ~30: per layer, some forty kernels and six
-compiled chains launched from Python. Padding changes no real row: a padded position writes the KV
-cache's sink, and a real query never sees it.
+A graph is keyed by its step kind and a graph plan (model/steps/plan.py): the batch padded up to the
+next of `capture_sizes` (vLLM's cudagraph_capture_sizes; the padding rows are the slot table's `pad`
+row, always done), the key bucket its rows read, and whether it computes scores. Every request
+option is device data, so no option can add a key: the set is
 
-A step's attention context is built from device tensors only (model.attention.device_context), so it is
-captured too.
+    canvas   len(capture_sizes) x len(key_buckets) x 2 (scored or not)
+    ar       the same, for families with an AR mode
+    prefill  sum over capture sizes b of the prefill widths w with b * w <= PREFILL_GRAPH_TOKENS, x 2
+             (x 1 for families whose prefill samples nothing)
+
+`Runner.warm_up` captures all of them and then `freeze`s: from then on nothing is captured, and a step
+whose key is outside the set (a prefill too wide for a graph) runs eagerly and is counted. Prompts are
+padded to a prefill width; a padded position writes the KV cache's sink, and a real query never sees
+it. Keys grow two buckets an octave, so the set stays small for long contexts and a row reads at most
+half again the keys it needs.
 """
 from __future__ import annotations
 
+import bisect
 from typing import Callable
 
 import torch
 
-
 KEY_BUCKET = 256
+MIN_PREFILL_WIDTH = 16
 # larger prefills run eagerly, unpadded: their launches weigh less next to their kernels, and a graph of
-# each width would keep its activations' peak in the graphs' pool (not tuned: measured at 1024 tokens)
+# each width would keep its activations' peak in the graphs' pool
 PREFILL_GRAPH_TOKENS = 4096
 
 
+def capture_sizes(num_slots: int) -> tuple[int, ...]:
+    """The batch sizes graphs are captured for: powers of two below num_slots, and num_slots."""
+    sizes = [1 << i for i in range(num_slots.bit_length()) if 1 << i < num_slots]
+    return tuple(sizes + [num_slots])
+
+
+def padded_size(rows: int, sizes: tuple[int, ...]) -> int:
+    return sizes[bisect.bisect_left(sizes, rows)]
+
+
+def _geometric(first: int, limit: int) -> list[int]:
+    """first, 1.5 first, 2 first, 3 first, 4 first, ... (two an octave) below limit."""
+    out, v = [], first
+    while v < limit:
+        out += [v] + ([v * 3 // 2] if v * 3 // 2 < limit else [])
+        v *= 2
+    return out
+
+
+def key_buckets(max_len: int) -> tuple[int, ...]:
+    """The key lengths steps read: KEY_BUCKET, then two an octave, up to max_len."""
+    return tuple(_geometric(KEY_BUCKET, max_len) + [max_len])
+
+
 def bucket(keys: int, max_len: int) -> int:
-    return min(-(-keys // KEY_BUCKET) * KEY_BUCKET, max_len)
+    """The smallest key bucket holding `keys` (max_len at most)."""
+    buckets = key_buckets(max_len)
+    return buckets[min(bisect.bisect_left(buckets, keys), len(buckets) - 1)]
 
 
-def prefill_width(longest: int, max_len: int) -> int:
-    """The width a graphed prefill of prompts up to `longest` tokens runs at (>= longest; few widths)."""
-    if longest <= KEY_BUCKET:
-        return min(max(16, 1 << (longest - 1).bit_length()), max(max_len, longest))
-    return max(bucket(longest, max_len), longest)
+def prefill_widths(max_len: int) -> tuple[int, ...]:
+    """The widths graphed prefills run at: powers of two from MIN_PREFILL_WIDTH to KEY_BUCKET, then the
+    key buckets, up to PREFILL_GRAPH_TOKENS and max_len."""
+    limit = min(PREFILL_GRAPH_TOKENS, max_len)
+    small = [w for w in _powers(MIN_PREFILL_WIDTH, KEY_BUCKET) if w < limit]
+    return tuple(small + [w for w in key_buckets(limit) if w > (small[-1] if small else 0)])
+
+
+def _powers(first: int, last: int) -> list[int]:
+    return [1 << i for i in range(first.bit_length() - 1, last.bit_length()) if first <= 1 << i < last]
+
+
+def prefill_width(longest: int, rows: int, max_len: int) -> int | None:
+    """The width a graphed prefill of `rows` prompts up to `longest` tokens runs at; None: too wide for
+    a graph (it runs eagerly at `longest`)."""
+    widths = prefill_widths(max_len)
+    i = bisect.bisect_left(widths, longest)
+    if i == len(widths) or rows * widths[i] > PREFILL_GRAPH_TOKENS:
+        return None
+    return widths[i]
 
 
 class StepGraphs:
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.pool = torch.cuda.graph_pool_handle()
+    """Graphs by key. `capture=False` runs every step eagerly through the same keys (the CPU's stand-in:
+    the runner pads and plans exactly as it does on CUDA)."""
+
+    def __init__(self, device: torch.device, capture: bool = True):
+        self.device, self.capturing = device, capture
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}   # None: warmed up, not captured yet
         self.inputs: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self.frozen = False
+        self.eager_steps = 0         # steps run outside a graph since freeze()
+        self.captured_at_freeze = 0
 
     def static_inputs(self, key: tuple, *host: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The key's static device tensors, holding `host` (pinned host tensors; copied without a sync)."""
@@ -62,18 +113,56 @@ class StepGraphs:
 
     def index_inputs(self, key: tuple, idx: list[int], scored: list[int]) -> tuple[torch.Tensor, ...]:
         """The key's static index tensors, holding `idx` and `scored`."""
-        return self.static_inputs(key, *(torch.tensor(v, dtype=torch.int64, pin_memory=True) for v in (idx, scored)))
+        pinned = self.device.type == "cuda"
+        return self.static_inputs(key, *(torch.tensor(v, dtype=torch.int64, pin_memory=pinned) for v in (idx, scored)))
+
+    def capture(self, key: tuple, step: Callable[..., None], *inputs: torch.Tensor, warm: bool = True) -> None:
+        """step(*inputs) captured (not run); with `warm`, run once eagerly first (kernels, allocators and
+        communicators warm up): only for steps whose rows are all padding."""
+        if warm:
+            step(*inputs)
+        if not self.capturing:
+            self.graphs[key] = None
+            return
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            step(*inputs)
+        self.graphs[key] = graph
 
     def run(self, key: tuple, step: Callable[..., None], *inputs: torch.Tensor) -> None:
-        """step(*inputs): eager on the key's first run, captured on its second, replayed from then on."""
+        """step(*inputs): replayed if captured. Before freeze() a key's first run is eager and its second
+        captured (runners that were never warmed up: tests, benchmarks); after it, an unknown key runs
+        eagerly, and is counted."""
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return
+        if self.frozen or not self.capturing:
+            if self.frozen:
+                self.eager_steps += 1
+            else:
+                self.graphs.setdefault(key, None)   # the keys a runner without captures ran (tests)
+            step(*inputs)
+            return
         if key not in self.graphs:
             step(*inputs)
             self.graphs[key] = None
             return
-        graph = self.graphs[key]
-        if graph is None:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                step(*inputs)
-            self.graphs[key] = graph
-        graph.replay()
+        self.capture(key, step, *inputs, warm=False)
+        self.graphs[key].replay()
+
+    def freeze(self) -> None:
+        self.frozen = True
+        self.captured_at_freeze = self.captured
+
+    @property
+    def captured(self) -> int:
+        return sum(g is not None for g in self.graphs.values())
+
+    def pool_bytes(self) -> int:
+        """Device memory the graphs' private pool holds (0 without captures)."""
+        if self.pool is None:
+            return 0
+        pool = tuple(self.pool)
+        return sum(seg["total_size"] for seg in torch.cuda.memory.memory_snapshot()
+                   if tuple(seg.get("segment_pool_id", ())) == pool)

@@ -21,7 +21,7 @@ COUNTERS = ("committed_tokens", "denoising_steps", "canvas_positions", "canvases
 
 class CommandOutputs:
     def __init__(self, num_slots: int, canvas_length: int, max_steps: int, device: torch.device):
-        S, dev = num_slots, device
+        S, dev = num_slots + 1, device   # + the slot table's padding row (model/slots.py)
         # a canvas (or a verified draft) is emitted at most every other step, an AR token every step
         self.capacity = max(-(-max_steps // 2) * canvas_length, max_steps + 1) + canvas_length
         self.max_steps = max_steps

@@ -27,7 +27,8 @@ from model.checkpoint import RunnerArgs
 from model.config import RenoiseDefaults
 from model.drafts import DraftBuffer
 from model.families import FAMILIES
-from model.graphs import PREFILL_GRAPH_TOKENS, StepGraphs, bucket, prefill_width
+from model.graphs import (PREFILL_GRAPH_TOKENS, StepGraphs, bucket, capture_sizes, key_buckets, padded_size,
+                          prefill_width, prefill_widths)
 from model.interface import DiffusionLM
 from model.outputs import CommandOutputs
 from model.parallel.group import TPGroup
@@ -38,7 +39,7 @@ from model.slots import Admission, SlotInfo, SlotTable
 from model.steps.causal import CausalSteps
 from model.steps.compiled import CompiledUpdate
 from model.steps.env import StepEnv
-from model.steps.plan import plan_rows
+from model.steps.plan import RowPlan, graph_plan, plan_rows
 from model.steps.sampler import RowSampler
 
 CANVAS_MODES = ("diffusion", "linear_spec")
@@ -78,6 +79,7 @@ class Runner:
         self.budget = self.family.step_budget(self.C, renoise)
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = StepGraphs(self.device) if use_graphs else None
+        self.sizes = capture_sizes(num_slots)   # the batch sizes of graphs (model/graphs.py)
 
     @classmethod
     def from_checkpoint(cls, args: RunnerArgs, tp: TPGroup | None = None) -> "Runner":
@@ -148,29 +150,48 @@ class Runner:
                                  for s, i in self.slots.info.items()}
             return events
 
-    def warm_up(self) -> float:
-        """Before serving, on a runner with no slots in use: runs a canvas step of one row and of two, with
-        none, one or all of them scored at 2 alternatives a position (the variant every k > 1 shares), so
-        that their state updates compile now (model/steps/compiled.py), then freezes compiling. Does
-        nothing where the updates are not compiled. Returns the seconds it took."""
-        update = self.canvas_step.update
-        if not isinstance(update, CompiledUpdate) or update.compiled is None or self.batch_invariant:
-            return 0.0
+    def warm_up(self) -> dict:
+        """Before serving, on a runner with no slots in use: captures the closed set of graphs
+        (model/graphs.py), each run once eagerly on padding rows first, which also compiles the canvas
+        steps' state updates (model/steps/compiled.py); then freezes both. Every rank calls it, in
+        lockstep (its steps run the collectives). Returns what it did: the graphs by kind, the seconds it
+        took and the device memory the graphs hold."""
         assert not self.slots.info, "warm_up runs before any slot is admitted"
         start = time.perf_counter()
-        prompt = tuple(range(1, 5))
-        # dynamo specialises sizes 0 and 1: one row, several rows with one scored, and several with
-        # several scored are each their own variant; one row first, so that the others compile with
-        # sizes symbolic
-        rows = min(2, self.slots.num_slots)
-        kinds = [(None,), (2,)] + ([(None, None), (2, None), (2, 2)] if rows == 2 else [])
-        for logprobs in kinds:
-            news = tuple(NewSlot(s, prompt, DecodeParams(max_tokens=1, ignore_eos=True, logprobs=k), s)
-                         for s, k in enumerate(logprobs))
-            self.execute(Command(admit=news, max_steps=1))
-            self.execute(Command(release=tuple(range(len(news))), max_steps=0))
-        update.freeze()
-        return time.perf_counter() - start
+        counts: dict[str, int] = {}
+        if self.graphs is not None:
+            with torch.inference_mode(), batch_invariant(self.batch_invariant):
+                for kind, key, step, inputs in self._graph_set():
+                    self.graphs.capture(key, step, *inputs)
+                    counts[kind] = counts.get(kind, 0) + 1
+            self.graphs.freeze()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        if isinstance(self.canvas_step.update, CompiledUpdate):
+            self.canvas_step.update.freeze()
+        return {"graphs": counts, "capture_sizes": list(self.sizes), "key_buckets": list(key_buckets(self.kv.max_len)),
+                "seconds": time.perf_counter() - start,
+                "graph_bytes": self.graphs.pool_bytes() if self.graphs is not None else 0}
+
+    def _graph_set(self):
+        """(kind, key, step, inputs) of every graph a served step can need: see model/graphs.py."""
+        pad, max_len = self.slots.pad, self.kv.max_len
+        scores_at_prefill = self.canvas_step.needs_prediction
+        kinds = [("canvas", self.canvas_step)] + ([("ar", self.causal.ar_step)] if "ar" in self.family.modes else [])
+        for rows in self.sizes:
+            for scored in (False, True):
+                for kind, step in kinds:
+                    for kv_len in key_buckets(max_len):
+                        key, run, inputs = self._step_graph(kind, step, [pad] * rows, kv_len, scored)
+                        yield kind, key, run, inputs
+                if scored and not scores_at_prefill:
+                    continue
+                for width in prefill_widths(max_len):
+                    if rows * width <= PREFILL_GRAPH_TOKENS:
+                        plan = graph_plan(rows, width, scored)
+                        host = self._prefill_inputs([pad] * rows, [()] * rows, [None] * rows, plan, width)
+                        key = ("prefill", plan)
+                        yield "prefill", key, self._prefill_step(plan), self.graphs.static_inputs(key, *host)
 
     def _admit(self, news: tuple[NewSlot, ...]) -> list[int]:
         for new in news:
@@ -204,43 +225,65 @@ class Runner:
         return plan_rows([self.slots.info[s] for s in slots], kv_len, self.family.uniform_noise)
 
     def _prefill(self, slots: list[int]) -> None:
-        """The prompts of newly admitted `slots`, in one causal pass; on CUDA a graph's replay up to
-        PREFILL_GRAPH_TOKENS (model/graphs.py), the prompts padded to its width."""
-        t = self.slots
-        infos = [t.info[s] for s in slots]
+        """The prompts of newly admitted `slots`, in one causal pass; on CUDA a graph's replay, rows padded
+        to a capture size and prompts to a prefill width (model/graphs.py), or eagerly where too wide."""
+        infos = [self.slots.info[s] for s in slots]
         longest = max(len(i.prompt) for i in infos)
-        width = prefill_width(longest, self.kv.max_len)
-        graphed = self.graphs is not None and self.observer is None and len(slots) * width <= PREFILL_GRAPH_TOKENS
-        width = width if graphed else longest
-        plan = self.plan(slots, width)
+        rows = width = None
+        if self.graphs is not None and self.observer is None:
+            rows = padded_size(len(slots), self.sizes)
+            width = prefill_width(longest, rows, self.kv.max_len)
+        if width is None:   # eager, at the prompts' own width
+            self._count_eager()
+            plan = self.plan(slots, longest)
+            host = self._prefill_inputs(slots, [i.prompt for i in infos], [i.params.mode for i in infos], plan, longest)
+            self._prefill_step(plan)(*(h.to(self.device, non_blocking=True) for h in host))
+            return
+        pad = rows - len(slots)
+        plan = graph_plan(rows, width, self.canvas_step.needs_prediction and any(i.wants_scores for i in infos))
+        host = self._prefill_inputs(slots + [self.slots.pad] * pad, [i.prompt for i in infos] + [()] * pad,
+                                    [i.params.mode for i in infos] + [None] * pad, plan, width)
+        key = ("prefill", plan)
+        self.graphs.run(key, self._prefill_step(plan), *self.graphs.static_inputs(key, *host))
+
+    def _prefill_step(self, plan: RowPlan):
+        return lambda *inputs: self.causal.prefill(plan, *inputs)
+
+    def _prefill_inputs(self, slots: list[int], prompts: list[tuple[int, ...]], modes: list[str | None],
+                        plan: RowPlan, width: int) -> tuple[torch.Tensor, ...]:
+        """Pinned host tensors of a prefill: slots, scored rows, tokens [B, width], lengths, modes [B, 3]
+        (a padding row: one token 0, no mode)."""
         pinned = self.device.type == "cuda"
         tokens = torch.zeros(len(slots), width, dtype=torch.int64, pin_memory=pinned)
-        for row, info in enumerate(infos):
-            tokens[row, : len(info.prompt)] = torch.tensor(info.prompt)
-        host = (torch.tensor(slots, dtype=torch.int64, pin_memory=pinned),
+        for row, prompt in enumerate(prompts):
+            if prompt:
+                tokens[row, : len(prompt)] = torch.tensor(prompt)
+        return (torch.tensor(slots, dtype=torch.int64, pin_memory=pinned),
                 torch.tensor(list(plan.scored), dtype=torch.int64, pin_memory=pinned), tokens,
-                torch.tensor([len(i.prompt) for i in infos], dtype=torch.int64, pin_memory=pinned),
-                torch.tensor([[i.params.mode == m for m in ("diffusion", "linear_spec", "ar")] for i in infos],
+                torch.tensor([max(len(p), 1) for p in prompts], dtype=torch.int64, pin_memory=pinned),
+                torch.tensor([[mode == m for m in ("diffusion", "linear_spec", "ar")] for mode in modes],
                              dtype=torch.bool, pin_memory=pinned))
-        step = lambda *inputs: self.causal.prefill(plan, *inputs)   # noqa: E731
-        if graphed:
-            self.graphs.run(("prefill", plan), step, *self.graphs.static_inputs(("prefill", plan), *host))
-        else:
-            step(*(h.to(self.device, non_blocking=True) for h in host))
 
     def _run(self, kind: str, step, slots: list[int], kv_len: int) -> None:
-        plan = self.plan(slots, kv_len)
-        if plan.drafting:   # the drafting rows' index, made outside the step: made inside on its first run, it
-            self.drafts.rows(plan)   # would change a compiled update's guards between that run and the capture
         if self.graphs is None or self.observer is not None:
-            idx = self.slots.device_index(slots)
-            scored = self.slots.device_index(list(plan.scored))
-            step(plan, idx, scored)
+            plan = self.plan(slots, kv_len)
+            step(plan, self.slots.device_index(slots), self.slots.device_index(list(plan.scored)))
             return
+        rows = padded_size(len(slots), self.sizes)
+        key, run, inputs = self._step_graph(kind, step, slots + [self.slots.pad] * (rows - len(slots)), kv_len,
+                                            any(self.slots.info[s].wants_scores for s in slots))
+        self.graphs.run(key, run, *inputs)
+
+    def _step_graph(self, kind: str, step, idx: list[int], kv_len: int, scored: bool):
+        """The graph key, the step and its static inputs for rows idx (padding included)."""
+        plan = graph_plan(len(idx), kv_len, scored)
         # what else changes a step's code: whether self-conditioning runs (off only to measure its cost)
-        key = (kind, plan, getattr(self.canvas_step, "self_conditioning", None))
-        idx, scored = self.graphs.index_inputs(key, slots, list(plan.scored))
-        self.graphs.run(key, lambda i, s: step(plan, i, s), idx, scored)
+        key = (kind, plan, getattr(step, "self_conditioning", None))
+        return key, (lambda i, s: step(plan, i, s)), self.graphs.index_inputs(key, idx, list(plan.scored))
+
+    def _count_eager(self) -> None:
+        if self.graphs is not None and self.graphs.frozen:
+            self.graphs.eager_steps += 1
 
 
 def sampler_passes(device: str) -> VocabPasses:

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from model.phases import IDLE
+from model.phases import DONE, IDLE
 from model.sampling.params import MAX_LOGPROBS, DecodeParams
 from model.sampling.reveal import POLICY_IDS
 
@@ -110,13 +110,19 @@ SLOT_PARAMS: dict[str, tuple[torch.dtype, Callable[[Admission], float]]] = {
     "ignore_eos": (torch.bool, lambda a: a.params.ignore_eos),
     "early_stop": (torch.bool, lambda a: a.params.eos_early_stop and not a.params.ignore_eos),
     "seed_first": (torch.bool, lambda a: a.params.seed_first_position),
+    # k of the top alternatives the request asked for; -1: no scores (the sampler's scored passes skip it)
+    "logprobs": (torch.int64, lambda a: -1 if a.params.logprobs is None else a.params.logprobs),
 }
 
 
 class SlotTable:
+    """Slots 0..num_slots-1 hold requests. One more row, `pad`, is the padding row of CUDA graphs whose
+    batch size exceeds the step's rows (model/graphs.py): it is always DONE, so every step computes it and
+    keeps nothing, and in the KV cache it is the write sink's slot (model/attention.py)."""
+
     def __init__(self, num_slots: int, canvas_length: int, fill_token: int, device: torch.device):
-        S, C, dev = num_slots, canvas_length, device
-        self.num_slots, self.C, self.device = S, C, dev
+        S, C, dev = num_slots + 1, canvas_length, device
+        self.num_slots, self.pad, self.C, self.device = num_slots, num_slots, C, dev
         zeros = lambda dtype=torch.int64: torch.zeros(S, dtype=dtype, device=dev)  # noqa: E731
         # decoding state
         self.phase, self.length, self.n, self.draws, self.emitted = (zeros() for _ in range(5))
@@ -126,6 +132,7 @@ class SlotTable:
         self.seed_scores = ScoreBuffer(S, 1, dev)     # linear speculation: the score of the next seed
         for name, (dtype, _) in SLOT_PARAMS.items():
             setattr(self, name, zeros(dtype))
+        self.phase[self.pad] = DONE
         self.info: dict[int, SlotInfo] = {}
         # the host's copy of the device state, as of the end of the last command
         self.host_length = [0] * S

@@ -1,37 +1,27 @@
 """Prefills padded to a CUDA graph's width (model/graphs.py) change no real row. On the CPU the runner
-gets a stand-in for StepGraphs that runs every step eagerly, so it pads its prefills as it does under
-CUDA graphs; real graphs (captured, replayed) are tests/test_gpu.py's."""
+gets StepGraphs without captures, which runs every step eagerly, so it pads its prefills as it does
+under CUDA graphs; real graphs (captured, replayed) are tests/test_gpu.py's."""
 import pytest
 import torch
 
-from model.graphs import KEY_BUCKET, PREFILL_GRAPH_TOKENS, prefill_width
+from model.graphs import KEY_BUCKET, PREFILL_GRAPH_TOKENS, StepGraphs, prefill_width
 from model.sampling.params import DecodeParams
 from workers.engine import Engine
 
 
-class EagerGraphs:
-    """StepGraphs' interface, every step run eagerly; records the keys it ran."""
-
-    def __init__(self):
-        self.keys = []
-
-    def static_inputs(self, key, *host):
-        return tuple(h.clone() for h in host)
-
-    def index_inputs(self, key, idx, scored):
-        return tuple(torch.tensor(v, dtype=torch.int64) for v in (idx, scored))
-
-    def run(self, key, step, *inputs):
-        self.keys.append(key)
-        step(*inputs)
+def EagerGraphs() -> StepGraphs:
+    return StepGraphs(torch.device("cpu"), capture=False)
 
 
 def test_prefill_widths():
-    assert [prefill_width(n, 4096) for n in (1, 2, 16, 17, 33, 200, 256)] == [16, 16, 16, 32, 64, 256, 256]
-    assert [prefill_width(n, 4096) for n in (257, 512, 513, 1000)] == [512, 512, 768, 1024]
-    # never past the cache, never short of the prompt
-    assert prefill_width(20, 24) == 24 and prefill_width(300, 300) == 300
-    assert all(n <= prefill_width(n, 2048) <= max(16, 2 * n, n + KEY_BUCKET - 1) for n in range(1, 2048))
+    assert [prefill_width(n, 1, 4096) for n in (1, 2, 16, 17, 33, 200, 256)] == [16, 16, 16, 32, 64, 256, 256]
+    assert [prefill_width(n, 1, 4096) for n in (257, 384, 385, 1000, 4096)] == [384, 384, 512, 1024, 4096]
+    # never past the cache, never short of the prompt; rows x width within PREFILL_GRAPH_TOKENS or None
+    assert prefill_width(20, 1, 24) == 24 and prefill_width(300, 1, 300) == 300 and prefill_width(301, 1, 300) is None
+    assert prefill_width(1000, 4, 4096) == 1024 and prefill_width(1000, 8, 4096) is None
+    for n in range(1, 4097):
+        w = prefill_width(n, 1, 4096)
+        assert n <= w <= (max(16, 2 * n) if n <= KEY_BUCKET else 3 * n // 2 + 1), (n, w)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +48,7 @@ def test_padded_prefill_equals_unpadded(family, tiny_nemotron, tiny_gemma):
 
     padded = EagerGraphs()
     got, expected = generate(padded), generate(None)
-    widths = {(key[1].rows, key[1].kv_len) for key in padded.keys if key[0] == "prefill"}
+    widths = {(key[1].rows, key[1].kv_len) for key in padded.graphs if key[0] == "prefill"}
     assert widths == {(1, 16), (2, 16)}
     for g, e in zip(got, expected):
         assert g.output == e.output and g.ranks == e.ranks
@@ -73,4 +63,4 @@ def test_a_long_prefill_is_not_padded(tiny_nemotron):
     with Engine(tiny_nemotron, num_slots=rows, max_model_len=long + 64) as e:
         e.shards.runner.graphs = graphs = EagerGraphs()
         e.generate([[1] + [7] * (long - 1)] * rows, DecodeParams(max_tokens=1, ignore_eos=True))
-    assert not [key for key in graphs.keys if key[0] == "prefill"]
+    assert not [key for key in graphs.graphs if key[0] == "prefill"]

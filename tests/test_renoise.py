@@ -138,7 +138,7 @@ def test_filters_apply_before_the_temperature_like_reference_processors(monkeypa
     logits = softcap(torch.randn(R, C, V, generator=gen) * 3)
     seed, counter = torch.tensor([1, 2]), rows(R, 7, torch.int64)
     extra = Flat(TopKLogitsWarper(5) if kind == "top_k" else TopPLogitsWarper(0.7))
-    filt = {"top_k": rows(R, 5, torch.int64), "top_k_max": 5} if kind == "top_k" else {"top_p": rows(R, 0.7)}
+    filt = {"top_k": rows(R, 5, torch.int64)} if kind == "top_k" else {"top_p": rows(R, 0.7)}
     threshold = keep_threshold(logits, 0, TP1, **filt)   # decided on the softcapped logits, before T
     out = RN.renoise_step(logits, n=rows(R, 1, torch.int64), steps=rows(R, N, torch.int64), t_min=rows(R, 0.4),
                           t_max=rows(R, 0.8), entropy_bound=rows(R, 0.5), stability_threshold=rows(R, 1, torch.int64),

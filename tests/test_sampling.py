@@ -177,7 +177,7 @@ def test_top_k_keeps_exactly_the_k_largest():
     x = torch.randn(4, 3, V, generator=gen) * 2
     T = torch.tensor([1.0, 0.5, 0.0, 2.0])
     k = torch.tensor([1, 5, 0, 50])
-    unscaled, scaled = scale_and_filter(x, T, 0, TP1, top_k=k, top_k_max=50)
+    unscaled, scaled = scale_and_filter(x, T, 0, TP1, top_k=k)
     for r in range(4):
         for pos in range(3):
             kept = torch.isfinite(scaled[r, pos]).nonzero().flatten()
@@ -195,17 +195,17 @@ def test_top_k_keeps_ties_at_the_kth_value():
     x[:, 0, 10] = 3.0
     x[:, 0, [20, 30, 40]] = 2.0     # three-way tie at the 2nd largest value
     x[:, 0, 50] = 1.0
-    _, scaled = scale_and_filter(x, torch.tensor([1.0, 1.0]), 0, TP1, top_k=torch.tensor([2, 4]), top_k_max=4)
+    _, scaled = scale_and_filter(x, torch.tensor([1.0, 1.0]), 0, TP1, top_k=torch.tensor([2, 4]))
     assert torch.isfinite(scaled[0, 0]).nonzero().flatten().tolist() == [10, 20, 30, 40]
     assert torch.isfinite(scaled[1, 0]).nonzero().flatten().tolist() == [10, 20, 30, 40]
-    _, scaled = scale_and_filter(x, torch.tensor([1.0, 1.0]), 0, TP1, top_k=torch.tensor([5, 1]), top_k_max=5)
+    _, scaled = scale_and_filter(x, torch.tensor([1.0, 1.0]), 0, TP1, top_k=torch.tensor([5, 1]))
     assert torch.isfinite(scaled[0, 0]).nonzero().flatten().tolist() == [10, 20, 30, 40, 50]
     assert torch.isfinite(scaled[1, 0]).nonzero().flatten().tolist() == [10]
 
 
 def test_top_k_larger_than_vocabulary_keeps_everything():
     x = torch.randn(1, 2, V)
-    _, scaled = scale_and_filter(x, torch.tensor([1.0]), 0, TP1, top_k=torch.tensor([V + 5]), top_k_max=V + 5)
+    _, scaled = scale_and_filter(x, torch.tensor([1.0]), 0, TP1, top_k=torch.tensor([V + 5]))
     assert torch.isfinite(scaled).all()
 
 
@@ -216,7 +216,7 @@ def test_top_k_top_p_match_dense_reference(scale):
     T = torch.tensor([1.0, 0.5, 0.0, 2.0, 0.7, 1.3])
     p = torch.tensor([0.3, 0.9, 0.5, 0.95, 0.3, 0.05])
     k = torch.tensor([0, 0, 40, 7, 200, 0])
-    unscaled, scaled = scale_and_filter(x, T, 0, TP1, top_k=k, top_k_max=200, top_p=p)
+    unscaled, scaled = scale_and_filter(x, T, 0, TP1, top_k=k, top_p=p)
     ref_u, ref_s = dense_reference(x, T, k, p)
     assert torch.equal(torch.isfinite(scaled), torch.isfinite(ref_s))
     assert torch.equal(torch.isfinite(unscaled), torch.isfinite(scaled))   # -inf in both

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from model.kernels.filters import tanh, triton_threshold
 from model.kernels.launch import INTERPRETED
 from model.sampling.noise import STREAM_GUMBEL
 from model.sampling.stats import NUM_SUMS, VocabPasses, encode_keys
@@ -34,20 +35,6 @@ def _fmix32(h):
     h = h * 0xC2B2AE35
     h ^= h >> 16
     return h
-
-
-@triton.jit
-def _tanh(y, INTERPRETED: tl.constexpr):
-    """tanh in fp32: libdevice's on the GPU; in the interpreter, to a few ulps, its odd Taylor polynomial
-    near 0 and (1 - e^-2|y|) / (1 + e^-2|y|) elsewhere."""
-    if not INTERPRETED:
-        return libdevice.tanh(y)
-    a = tl.abs(y)
-    y2 = y * y
-    near = y * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0))))
-    e = tl.exp(-2.0 * a)
-    far = (1.0 - e) / (1.0 + e)
-    return tl.where(a < 0.0625, near, tl.where(y < 0, -far, far))
 
 
 @triton.jit
@@ -105,7 +92,7 @@ def _vocab_stats_kernel(x_ptr, temp_ptr, seed_ptr, counter_ptr, thr_ptr, keys_pt
         inside = cols < V
         u = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
         if HAS_SOFTCAP:
-            u = tl.where(inside, _tanh(u / softcap, INTERPRETED) * softcap, u)
+            u = tl.where(inside, tanh(u / softcap, INTERPRETED) * softcap, u)
         s = u / t_eff
         if HAS_THR:
             if THR_ON_SCALED:
@@ -117,10 +104,11 @@ def _vocab_stats_kernel(x_ptr, temp_ptr, seed_ptr, counter_ptr, thr_ptr, keys_pt
         ids = (vocab_start + cols).to(tl.int64)
         greedy = tl.maximum(greedy, tl.max(_keys(u, ids), axis=0))
         if SAMPLING:
-            h = _fmix32(h_pos ^ _fmix32(ids.to(tl.uint32)))
-            unif = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-            noisy = tl.where(s > -float("inf"), s - tl.log(-tl.log(unif)), s)
-            sample = tl.maximum(sample, tl.max(_keys(noisy, ids), axis=0))
+            if temp > 0:   # a greedy row's sample is its argmax: no noise drawn (a graph's plan samples always)
+                h = _fmix32(h_pos ^ _fmix32(ids.to(tl.uint32)))
+                unif = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+                noisy = tl.where(s > -float("inf"), s - tl.log(-tl.log(unif)), s)
+                sample = tl.maximum(sample, tl.max(_keys(noisy, ids), axis=0))
         new_m = tl.maximum(m, tl.max(u, axis=0))
         old_safe = tl.where(m == -float("inf"), 0.0, m)
         new_safe = tl.where(new_m == -float("inf"), 0.0, new_m)
@@ -200,7 +188,7 @@ def _probabilities_kernel(x_ptr, temp_ptr, thr_ptr, norm_ptr, out_ptr, P, V, sof
     offset = n.to(tl.int64) * V
     u = tl.load(x_ptr + offset + cols, mask=inside, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        u = _tanh(u / softcap, INTERPRETED) * softcap
+        u = tanh(u / softcap, INTERPRETED) * softcap
     s = u / t_eff
     if HAS_THR:
         thr = tl.load(thr_ptr + n)
@@ -231,10 +219,11 @@ def triton_probabilities(x: torch.Tensor, temperature: torch.Tensor, log_norm: t
 
 
 @triton.jit
-def _rank_top_kernel(x_ptr, tok_ptr, counts_ptr, keys_ptr, V, vocab_start, splits, pad_key,
+def _rank_top_kernel(x_ptr, tok_ptr, asked_ptr, counts_ptr, keys_ptr, P, V, vocab_start, splits, pad_key,
                      TOP: tl.constexpr, KP: tl.constexpr, SPLIT_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     n = tl.program_id(0)
     split = tl.program_id(1)
+    asked = tl.load(asked_ptr + n // P)   # the row's own k; -1: no scores (a graph's plan scores every row)
     row_ptr = x_ptr + n.to(tl.int64) * V
     tok = tl.load(tok_ptr + n).to(tl.float32)
     start = split * SPLIT_SIZE
@@ -243,30 +232,35 @@ def _rank_top_kernel(x_ptr, tok_ptr, counts_ptr, keys_ptr, V, vocab_start, split
     best = tl.full((KP,), -9223372036854775807 - 1, tl.int64)
     heads = tl.arange(0, BLOCK_SIZE // KP)
     pair = tl.arange(0, 2)
-    for off in range(0, SPLIT_SIZE, BLOCK_SIZE):
-        cols = start + off + tl.arange(0, BLOCK_SIZE)
-        inside = cols < V
-        x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
-        count += tl.sum((x > tok).to(tl.int32), 0)
-        if TOP:   # this tile's KP largest keys, merged with the split's so far (sorted, take the head)
-            keys = tl.where(inside, _keys(x, (vocab_start + cols).to(tl.int64)), pad_key)
-            tile = tl.reshape(tl.sort(keys, descending=True), (BLOCK_SIZE // KP, KP))
-            head = tl.max(tl.where(heads[:, None] == 0, tile, lowest), 0)
-            both = tl.reshape(tl.sort(tl.cat(best, head, can_reorder=True), descending=True), (2, KP))
-            best = tl.max(tl.where(pair[:, None] == 0, both, lowest), 0)
+    if asked >= 0:
+        for off in range(0, SPLIT_SIZE, BLOCK_SIZE):
+            cols = start + off + tl.arange(0, BLOCK_SIZE)
+            inside = cols < V
+            x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
+            count += tl.sum((x > tok).to(tl.int32), 0)
+            if TOP:
+                if asked > 0:   # this tile's KP largest keys, merged with the split's so far (sorted, take the head)
+                    keys = tl.where(inside, _keys(x, (vocab_start + cols).to(tl.int64)), pad_key)
+                    tile = tl.reshape(tl.sort(keys, descending=True), (BLOCK_SIZE // KP, KP))
+                    head = tl.max(tl.where(heads[:, None] == 0, tile, lowest), 0)
+                    both = tl.reshape(tl.sort(tl.cat(best, head, can_reorder=True), descending=True), (2, KP))
+                    best = tl.max(tl.where(pair[:, None] == 0, both, lowest), 0)
     out = n * splits + split
     tl.store(counts_ptr + out, count)
     if TOP:
         tl.store(keys_ptr + out * KP + tl.arange(0, KP), best)
 
 
-def triton_rank_top_k(x: torch.Tensor, x_tok: torch.Tensor, k: int, vocab_start: int, *, block: int = BLOCK,
-                      split: int = SPLIT):
+def triton_rank_top_k(x: torch.Tensor, x_tok: torch.Tensor, k: int, vocab_start: int,
+                      asked: torch.Tensor | None = None, *, block: int = BLOCK, split: int = SPLIT):
     """model.sampling.stats.torch_rank_top_k's contract: one read of the scored rows' logits for both
     the rank counts and the top k keys (per split: its KP largest by sort-and-merge, then the splits'
-    merged here). block, split: the tile and split widths (powers of two; smaller ones only in tests)."""
+    merged here). Rows whose `asked` k is -1 are skipped, those asking 0 get only their rank counts.
+    block, split: the tile and split widths (powers of two; smaller ones only in tests)."""
     R, P, V = x.shape
     x = x.contiguous()
+    if asked is None:
+        asked = torch.full((R,), k, dtype=torch.int64, device=x.device)
     kp = max(triton.next_power_of_2(max(k, 1)), 2)
     block = max(min(block, triton.next_power_of_2(V)), kp)
     split = max(min(split, triton.next_power_of_2(V)), block)
@@ -275,11 +269,11 @@ def triton_rank_top_k(x: torch.Tensor, x_tok: torch.Tensor, k: int, vocab_start:
     keys = torch.empty(R, P, splits, kp, dtype=torch.int64, device=x.device)
     pad = int(encode_keys(torch.full((1,), -torch.inf), torch.full((1,), (1 << 32) - 1, dtype=torch.int64)))
     _rank_top_kernel[(R * P, splits)](
-        x, x_tok.float().contiguous(), counts, keys, V, vocab_start, splits, pad, TOP=k > 0, KP=kp,
-        SPLIT_SIZE=split, BLOCK_SIZE=block, num_warps=8)
+        x, x_tok.float().contiguous(), asked.contiguous(), counts, keys, P, V, vocab_start, splits, pad, TOP=k > 0,
+        KP=kp, SPLIT_SIZE=split, BLOCK_SIZE=block, num_warps=8)
     top = keys.flatten(-2).topk(k, dim=-1).values if k else None
     return counts.sum(-1, dtype=torch.int64), top
 
 
 TRITON_PASSES = VocabPasses(partials=triton_partials, probabilities=triton_probabilities,
-                            rank_top_k=triton_rank_top_k)
+                            rank_top_k=triton_rank_top_k, threshold=triton_threshold)

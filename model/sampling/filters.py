@@ -1,11 +1,26 @@
-"""Temperature and candidate filters on vocabulary-sharded logits (SPEC.md 3.1-3.2).
+"""Temperature and candidate filters on vocabulary-sharded logits (SPEC.md 3.1-3.2), without sorting.
 
 `scaled = logits / T` (T = 1 for greedy rows, so greedy logprobs are those of the model's own
-distribution); top-k and top-p are decided on `scaled`; filtered entries become -inf in both the
-scaled and the unscaled logits. Both filters are computed from global statistics, so every rank
-keeps exactly the ids a single rank would.
+distribution); top-k and top-p are decided on the values a family decides them on (masked diffusion:
+`scaled`; DiffusionGemma: the softcapped logits, before its temperature) and become one threshold per
+position: a row keeps the entries >= its threshold (-inf: no filter), in the scaled and the unscaled
+logits alike.
+
+A threshold is an entry's own value, found by a radix select over the values' order-preserving
+integer keys, four bits a pass, from the top:
+
+    top-k   the k-th largest value: the largest key t with count(keys >= t) >= k (ties at it kept)
+    top-p   the largest value t with mass(values >= t) >= p under softmax over the top-k survivors
+
+Each pass counts (or sums the probability of) the entries at or above 16 candidate keys on this rank's
+slice, one SUM all-reduce makes the counts global, and the largest candidate that still reaches the
+target fixes the next four bits. No sort, no gather of candidates across ranks: every rank finds the
+same threshold a single rank would. The passes here are torch's (CPU); model/kernels/filters.py runs
+the same search in triton on CUDA, over the raw logits' 16-bit keys.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -13,7 +28,8 @@ from model.batch_invariant import row_sum
 from model.parallel import reductions as R
 from model.parallel.group import TPGroup
 
-TOP_P_ITERATIONS = 40  # bisection halvings of the threshold interval: past fp32 resolution of logits
+DIGIT = 4              # key bits decided per pass
+CANDIDATES = 1 << DIGIT
 
 
 def mask_token(x: torch.Tensor, token_id: int, vocab_start: int) -> None:
@@ -28,58 +44,124 @@ def _rows(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return v.to(like.device).view(-1, *[1] * (like.dim() - 1))
 
 
-def top_k_threshold(scaled: torch.Tensor, k: torch.Tensor, kmax: int, vocab_start: int,
-                    tp: TPGroup) -> torch.Tensor:
-    """Per row, the k-th largest value (k = 0: -inf, no filter). Values tied with it are kept too.
-    kmax = max(k) comes from the host so that no device value decides a shape."""
-    values, _ = R.topk(scaled, kmax, vocab_start, tp)
-    index = (_rows(k, values).clamp(min=1) - 1).expand(*values.shape[:-1], 1)
-    kth = torch.gather(values, -1, index).squeeze(-1)
-    return torch.where(_rows(k, kth) > 0, kth, -torch.inf)
+def _softcap(u: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return u if cap is None else torch.tanh(u / cap) * cap
 
 
-def top_p_threshold(scaled: torch.Tensor, p: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """Per row, the largest t with P(scaled >= t) >= p: keeping `scaled >= t` keeps the smallest set of
-    top tokens whose mass reaches p. Found by bisection on t with one all-reduce per halving."""
-    lse = R.logsumexp(scaled, tp)
-    probs = torch.exp(scaled - lse.unsqueeze(-1))
-    p = _rows(p, lse).to(torch.float64)
-    finite = torch.where(torch.isfinite(scaled), scaled, torch.inf)
-    lo = -R.global_max(-finite, tp).to(torch.float64)            # mass(lo) = 1 >= p
-    hi = R.global_max(scaled, tp).to(torch.float64)
-    top_ok = _mass_at_least(probs, scaled, hi, tp) >= p          # the top value alone reaches p
-    for _ in range(TOP_P_ITERATIONS):
-        mid = (lo + hi) / 2
-        ok = _mass_at_least(probs, scaled, mid, tp) >= p
-        lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
-    return torch.where(top_ok, hi, lo).to(scaled.dtype)
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """fp32, or the input's own precision where higher (an fp64 model stays fp64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _mass_at_least(probs: torch.Tensor, scaled: torch.Tensor, t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    return tp.all_reduce(row_sum(torch.where(scaled >= t.unsqueeze(-1).to(scaled.dtype), probs, 0), torch.float64))
+def effective_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    """T of s = u / T: the row's temperature, 1 for greedy rows (T = 0)."""
+    return torch.where(temperature > 0, temperature, 1.0)
+
+
+def unscaled(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """u: fp32 (fp64 for fp64 logits), softcapped; what filters are decided on (DiffusionGemma) or
+    divided by T (Nemotron)."""
+    return _softcap(upcast(x), softcap)
+
+
+# ---- order-preserving integer keys ---------------------------------------------------------------
+
+_INT_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def value_keys(v: torch.Tensor) -> torch.Tensor:
+    """int64 keys in the order of the float values v (-0 as +0), in [-2^(b-1), 2^(b-1)) for b-bit floats."""
+    v = v + 0.0   # -0 -> +0: equal values, equal keys
+    bits = v.view(_INT_OF[v.element_size()]).to(torch.int64)
+    return torch.where(bits >= 0, bits, bits ^ ((1 << (8 * v.element_size() - 1)) - 1))
+
+
+def key_values(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of value_keys: the values of `dtype` whose keys these are."""
+    size = torch.empty((), dtype=dtype).element_size()
+    bits = torch.where(keys >= 0, keys, keys ^ ((1 << (8 * size - 1)) - 1))
+    return bits.to(_INT_OF[size]).view(dtype)
+
+
+def radix_select(at_least: Callable[[torch.Tensor, int], torch.Tensor], target: torch.Tensor, bits: int,
+                 shape: torch.Size, tp: TPGroup, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest key t (of `bits`-bit keys) with total(keys >= t) >= target, per position [*shape].
+    at_least(candidates [*shape, 16], shift) -> this rank's totals at or above each candidate; totals
+    only grow as a candidate falls. Returns (t, reached): reached is False where even every key together
+    falls short of the target (then t means nothing)."""
+    prefix = torch.full(shape, -(1 << (bits - 1)), dtype=torch.int64, device=device)
+    digits = torch.arange(CANDIDATES, dtype=torch.int64, device=device)
+    reached = None
+    for shift in range(bits - DIGIT, -1, -DIGIT):
+        totals = tp.all_reduce(at_least(prefix.unsqueeze(-1) + (digits << shift), shift))
+        ok = totals >= target.unsqueeze(-1)
+        if reached is None:        # the first candidate is the smallest key: everything
+            reached = ok[..., 0]
+        prefix = prefix + ((ok.sum(-1) - 1).clamp(min=0) << shift)
+    return prefix, reached
+
+
+# ---- the thresholds (torch: CPU, and the reference) ----------------------------------------------
+
+def top_k_threshold(base: torch.Tensor, k: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """[R, ...]: the k-th largest of base [R, ..., V_r] per row position, -inf where k <= 0 or k is
+    more entries than there are."""
+    keys = value_keys(base)
+
+    def at_least(candidates, shift):
+        return torch.stack([(keys >= candidates[..., d:d + 1]).sum(-1) for d in range(CANDIDATES)], -1)
+
+    target = _rows(k.clamp(min=1), base[..., 0])
+    t, reached = radix_select(at_least, target, 8 * base.element_size(), base.shape[:-1], tp, base.device)
+    return torch.where((_rows(k, t) > 0) & reached, key_values(t, base.dtype), -torch.inf)
+
+
+def top_p_threshold(base: torch.Tensor, p: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """[R, ...]: the largest value t of base [R, ..., V_r] (-inf entries: filtered already) with
+    P(base >= t) >= p under softmax(base), -inf where p >= 1."""
+    keys = value_keys(base)
+    probs = torch.exp(base - R.logsumexp(base, tp).unsqueeze(-1))
+
+    def at_least(candidates, shift):
+        return torch.stack([row_sum(torch.where(keys >= candidates[..., d:d + 1], probs, 0), torch.float64)
+                            for d in range(CANDIDATES)], -1)
+
+    target = _rows(p, base[..., 0]).to(torch.float64)
+    t, reached = radix_select(at_least, target, 8 * base.element_size(), base.shape[:-1], tp, base.device)
+    return torch.where((_rows(p, t) < 1) & reached, key_values(t, base.dtype), -torch.inf)
 
 
 def keep_threshold(base: torch.Tensor, vocab_start: int, tp: TPGroup, top_k: torch.Tensor | None = None,
-                   top_k_max: int = 0, top_p: torch.Tensor | None = None) -> torch.Tensor:
-    """base [R, ..., Vr] (the values filters are decided on) -> [R, ...]: the smallest value a row keeps
-    (-inf: no filter); top_k / top_p [R] (None when no row uses them: work nobody asked for is skipped)."""
-    threshold = torch.full(base.shape[:-1], -torch.inf, device=base.device)
+                   top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """base [R, ..., V_r] (the values filters are decided on) -> [R, ...]: the smallest value a row keeps
+    (-inf: no filter); top_k / top_p [R] (None: no row filters so)."""
+    threshold = torch.full(base.shape[:-1], -torch.inf, dtype=base.dtype, device=base.device)
     if top_k is not None:
-        threshold = top_k_threshold(base, top_k, top_k_max, vocab_start, tp)
+        threshold = top_k_threshold(base, top_k, tp)
     if top_p is not None:
         kept = torch.where(base >= threshold.unsqueeze(-1), base, -torch.inf)
-        # top_p = 1 keeps everything, even where fp32 masses of a top set already sum to 1
-        p_threshold = torch.where(_rows(top_p >= 1, threshold), -torch.inf, top_p_threshold(kept, top_p, tp))
-        threshold = torch.maximum(threshold, p_threshold)
+        threshold = torch.maximum(threshold, top_p_threshold(kept, top_p, tp))
     return threshold
 
 
+def torch_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    vocab_start: int, tp: TPGroup, *, softcap: float | None = None,
+                    on_scaled: bool = True) -> torch.Tensor:
+    """The sampler's pass (model.sampling.stats.VocabPasses.threshold): raw logits x [R, P, V_r] -> each
+    position's threshold [R, P] (fp32), in the space the filters are decided in: the softcapped logits
+    u, divided by the row's temperature where `on_scaled`."""
+    base = unscaled(x, softcap)
+    if on_scaled:
+        base = base / effective_temperature(temperature).view(-1, 1, 1).to(base.dtype)
+    return keep_threshold(base, vocab_start, tp, top_k, top_p)
+
+
 def scale_and_filter(logits: torch.Tensor, temperature: torch.Tensor, vocab_start: int, tp: TPGroup,
-                     top_k: torch.Tensor | None = None, top_k_max: int = 0, top_p: torch.Tensor | None = None):
+                     top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None):
     """logits: [R, ..., Vr] fp32; temperature/top_k/top_p: [R]. Returns (unscaled, scaled), both filtered
     (the dense statement of SPEC.md 3.2 that the sampler's thresholds implement)."""
     scaled = logits / _rows(torch.where(temperature > 0, temperature, 1.0), logits)
     if top_k is None and top_p is None:
         return logits, scaled
-    keep = scaled >= keep_threshold(scaled, vocab_start, tp, top_k, top_k_max, top_p).unsqueeze(-1)
+    keep = scaled >= keep_threshold(scaled, vocab_start, tp, top_k, top_p).unsqueeze(-1)
     return torch.where(keep, logits, -torch.inf), torch.where(keep, scaled, -torch.inf)

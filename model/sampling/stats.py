@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from model.batch_invariant import row_sum
 from model.parallel.group import TPGroup
+from model.sampling.filters import upcast, effective_temperature, torch_threshold, unscaled
 from model.sampling.noise import gumbel
 
 _LOW32 = (1 << 32) - 1
@@ -82,26 +83,6 @@ def decode_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---- the torch pass (one piece: the whole local slice) ---------------------------------------------
-
-def _softcap(u: torch.Tensor, cap: float | None) -> torch.Tensor:
-    return u if cap is None else torch.tanh(u / cap) * cap
-
-
-def _upcast(x: torch.Tensor) -> torch.Tensor:
-    """fp32, or the input's own precision where higher (an fp64 model stays fp64)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-def effective_temperature(temperature: torch.Tensor) -> torch.Tensor:
-    """T of s = u / T: the row's temperature, 1 for greedy rows (T = 0)."""
-    return torch.where(temperature > 0, temperature, 1.0)
-
-
-def unscaled(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """u: fp32 (fp64 for fp64 logits), softcapped; what filters are decided on (DiffusionGemma) or
-    divided by T (Nemotron)."""
-    return _softcap(_upcast(x), softcap)
-
 
 def torch_partials(x: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor,
                    vocab_start: int, *, softcap: float | None = None, threshold: torch.Tensor | None = None,
@@ -165,12 +146,13 @@ def torch_probabilities(x: torch.Tensor, temperature: torch.Tensor, log_norm: to
 _TOPK_CHUNK = 1 << 25  # elements of int64 keys built at once for top-k capture
 
 
-def torch_rank_top_k(x: torch.Tensor, x_tok: torch.Tensor, k: int,
-                     vocab_start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def torch_rank_top_k(x: torch.Tensor, x_tok: torch.Tensor, k: int, vocab_start: int,
+                     asked: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's part of reveal-time scores for scored rows x [R, P, V_r] whose tokens' raw logits are
     x_tok [R, P]: counts [R, P] of entries with a larger logit (the rank, less 1, once summed over ranks)
     and the k largest keys [R, P, k] (encode_keys of raw logit and global id; padded with keys that lose
-    every comparison where the slice is narrower than k), None for k = 0."""
+    every comparison where the slice is narrower than k), None for k = 0. `asked` [R]: each row's own k
+    (-1: no scores), which a kernel may use to skip work; every row is computed here."""
     # x_tok is one of the logits, so it converts back to their dtype exactly
     counts = (x > x_tok.unsqueeze(-1).to(x.dtype)).sum(-1)
     if not k:
@@ -189,11 +171,12 @@ def torch_rank_top_k(x: torch.Tensor, x_tok: torch.Tensor, k: int,
 @dataclass(frozen=True)
 class VocabPasses:
     """The passes over a rank's logits slice: the statistics' partials, the self-conditioning
-    probabilities, and the scored rows' rank counts and top-k keys. Torch's here;
+    probabilities, the scored rows' rank counts and top-k keys, and the filters' thresholds. Torch's here;
     model.kernels.vocab_stats.TRITON_PASSES on CUDA."""
     partials: Callable = torch_partials
     probabilities: Callable = torch_probabilities
     rank_top_k: Callable = torch_rank_top_k      # scored rows only: a second read of their logits
+    threshold: Callable = torch_threshold        # the top-k / top-p filters' thresholds (model/sampling/filters.py)
 
 
 TORCH_PASSES = VocabPasses()
@@ -240,7 +223,7 @@ def _value_at(x: torch.Tensor, ids: torch.Tensor, vocab_start: int) -> torch.Ten
     """x[..., ids] as fp32 where this rank holds the id, 0 elsewhere (a SUM over ranks picks the owner's)."""
     local = ids - vocab_start
     mine = (local >= 0) & (local < x.shape[-1])
-    picked = _upcast(torch.gather(x, -1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1))
+    picked = upcast(torch.gather(x, -1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1))
     return torch.where(mine, picked, 0.0)
 
 

@@ -21,20 +21,22 @@ class CausalSteps:
     def prefill(self, plan: RowPlan, idx: torch.Tensor, scored: torch.Tensor, tokens: torch.Tensor,
                 lengths: torch.Tensor, modes: torch.Tensor) -> None:
         """Rows idx of `tokens` [B, width] (real up to `lengths`), modes [B, 3] (diffusion, linear_spec,
-        ar): their KV, then what their last position predicts. Device ops only."""
+        ar): their KV, then what their last position predicts. Device ops only. A padding row (model/graphs.py)
+        has no mode, and no state of it changes but its length and draws."""
         env, t = self.env, self.env.slots
         causal = torch.ones_like(idx, dtype=torch.bool)
         width = tokens.shape[1]
         hidden = env.forward(idx, tokens, torch.zeros_like(lengths), width, causal, width, lengths=lengths, fresh=True)
         t.length[idx] = lengths
-        env.outputs.add_counters(forwards=len(idx))
+        real = modes.any(-1)
+        env.outputs.add_counters(forwards=real.long().sum())
         if not self.canvas.needs_prediction:   # a uniform-noise canvas needs no prediction from the prefix
-            self.canvas.start(idx, causal, None)
+            self.canvas.start(idx, real, None)
             return
         last = hidden[torch.arange(len(idx), device=env.device), lengths - 1]
         x = env.logits(last[:, None])
         st = env.sampler.stats(x, idx, plan)
-        scores = env.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs) if plan.scored else None
+        scores = env.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs, idx) if plan.scored else None
         env.observe("before", "prefill", idx, x)
         self.after_causal(idx, st.sample[:, 0], scores, scored, modes[:, 0], modes[:, 1], modes[:, 2])
         t.draws[idx] += 1
@@ -71,7 +73,7 @@ class CausalSteps:
         x = env.logits(hidden)
         st = env.sampler.stats(x, idx, plan)
         token = st.sample[:, 0]
-        scores = env.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs) if plan.scored else None
+        scores = env.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs, idx) if plan.scored else None
         env.observe("before", "ar", idx, x)
         count = live.long()
         env.outputs.emit(idx, token[:, None], count, torch.zeros_like(count), torch.zeros_like(count), scores, scored)

@@ -62,7 +62,7 @@ class MaskedCanvasStep:
         hidden = r.forward(idx, t.canvas[idx], t.length[idx], C, (phase == COMMIT) | (phase == VERIFY), plan.kv_len)
         x = r.logits(hidden)                                            # [B, C, V_r] raw, mask token -inf
         st = r.sampler.stats(x, idx, plan)
-        scores = r.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs) if plan.scored else None
+        scores = r.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs, idx) if plan.scored else None
         r.observe("before", "canvas", idx, x)
         self.update(plan, idx, scored, st, scores)
         r.observe("after", "canvas", idx)
@@ -132,7 +132,7 @@ class MaskedCanvasStep:
         t.last_token[idx] = torch.where(is_verify, after_accepted, t.last_token[idx])
         t.draws[idx] += live.long()
         if plan.drafting:
-            r.drafts.record(plan, idx, denoised, ~still_masked, n + 1, is_denoise, length)
+            r.drafts.record(idx, denoised, ~still_masked, n + 1, is_denoise, length)
         denoising = (is_denoise | is_draft).long().sum()
         r.outputs.add_counters(committed_tokens=(is_commit.long() * C + is_verify.long() * accepted).sum(),
                                denoising_steps=denoising, canvas_positions=denoising * C,

@@ -32,7 +32,7 @@ class RenoiseCanvasStep:
     needs_prediction = False   # a canvas starts as uniform noise: its prefill computes no logits
 
     def __init__(self, env: StepEnv, defaults: RenoiseDefaults):
-        S, C, dev = env.slots.num_slots, env.C, env.device
+        S, C, dev = env.slots.num_slots + 1, env.C, env.device   # + the padding row
         hidden_size, dtype = env.model.config.hidden_size, env.dtype
         self.env, self.defaults = env, defaults
         # transformers rounds the self-conditioning logits to the embedding dtype
@@ -97,7 +97,7 @@ class RenoiseCanvasStep:
         scores = None
         if plan.scored:   # the converged step's distribution scores the committed argmax tokens (SPEC.md 6)
             x_tok = value_at(x[scored], step.argmax[scored], r.model.vocab_start, r.tp)
-            scores = r.sampler.scores(x, step.stats, x_tok, scored, plan.top_logprobs)
+            scores = r.sampler.scores(x, step.stats, x_tok, scored, plan.top_logprobs, idx)
         soft = r.model.soft_embedding(step.probs) if self.self_conditioning else None
         self.update(plan, idx, scored, step, scores, soft)
         r.observe("after", "canvas", idx)
@@ -136,7 +136,7 @@ class RenoiseCanvasStep:
             self.soft[idx] = torch.where(is_denoise[:, None, None], soft.to(self.soft.dtype), self.soft[idx])
         t.n[idx] = torch.where(is_denoise, n + 1, n)
         if plan.drafting:  # the argmax canvas (the sampled one is partly noise), accepted positions known
-            r.drafts.record(plan, idx, step.argmax, step.accepted, n + 1, is_denoise, length)
+            r.drafts.record(idx, step.argmax, step.accepted, n + 1, is_denoise, length)
         t.phase[idx] = torch.where(converged & ~final, COMMIT, torch.where(emitting & stop, DONE, phase))
         t.length[idx] = length + torch.where(is_commit, C, 0)   # a commit's forward wrote the canvas's KV
         t.emitted[idx] = emitted

@@ -2,15 +2,15 @@
 candidate filters that feed them, and reveal-time scores for the rows that asked.
 
 Filters (SPEC.md 3.2; DiffusionGemma: on the softcapped logits before the temperature, as transformers'
-logits processors) become one threshold per position, kept iff value >= threshold; they, and scores,
-cost a pass over the logits only when some row asks.
+logits processors) become one threshold per position, kept iff value >= threshold (-inf for rows that
+ask none); they, and scores, cost passes over the logits only in plans whose rows ask (model/steps/plan.py),
+and in a CUDA graph's plan, which always has them, the kernels skip the rows that did not ask.
 """
 from __future__ import annotations
 
 import torch
 
 from model.sampling import stats as S
-from model.sampling.filters import keep_threshold
 from model.slots import Scores, SlotTable
 from model.steps.plan import RowPlan
 
@@ -34,21 +34,20 @@ class RowSampler:
     def threshold(self, x: torch.Tensor, idx: torch.Tensor, plan: RowPlan) -> torch.Tensor:
         """[B, P]: the smallest kept value (in the space the filter is decided in), -inf for no filter."""
         t = self.slots
-        base = S.unscaled(x, self.softcap)
-        if self.filter_on_scaled:
-            base = base / S.effective_temperature(t.temperature[idx]).view(-1, 1, 1)
-        return keep_threshold(base, self.vocab_start, self.tp, t.top_k[idx] if plan.filter_top_k else None,
-                              plan.filter_top_k, t.top_p[idx] if plan.filter_top_p else None)
+        return self.passes.threshold(x, t.temperature[idx], t.top_k[idx], t.top_p[idx], self.vocab_start, self.tp,
+                                     softcap=self.softcap, on_scaled=self.filter_on_scaled)
 
     def scores(self, x: torch.Tensor, stats: S.VocabStats, x_tok: torch.Tensor, rows: torch.Tensor,
-               k: int) -> Scores:
-        """Scores (SPEC.md 6) for the scored rows `rows` [B'] of the tokens whose raw logits are x_tok [B', P]:
-        logprob under softmax(s), rank = 1 + entries with a larger logit, and the top k alternatives."""
+               k: int, idx: torch.Tensor) -> Scores:
+        """Scores (SPEC.md 6) for the scored rows `rows` [B'] (of the step's rows idx) of the tokens whose raw
+        logits are x_tok [B', P]: logprob under softmax(s), rank = 1 + entries with a larger logit, and the
+        top k alternatives. A row whose request asked no scores (in a graph's plan, which scores every row)
+        gets none computed: its values mean nothing and nothing reads them."""
         xs = x[rows]
         temp = stats.temperature[rows].view(-1, 1)
         lse_s = stats.lse_s[rows]
         logprob = S.unscaled(x_tok, self.softcap) / temp - lse_s
-        counts, keys = self.passes.rank_top_k(xs, x_tok, k, self.vocab_start)
+        counts, keys = self.passes.rank_top_k(xs, x_tok, k, self.vocab_start, asked=self.slots.logprobs[idx[rows]])
         rank = 1 + self.tp.all_reduce(counts)
         if not k:
             return Scores(logprob, rank)
