@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from model.sampling.params import DecodeParams
+from model.sampling.params import DecodeParams, ParamError
 from tests.reference import gemma_generate_with_our_draws
 from workers.engine import Engine
 
@@ -86,8 +86,9 @@ def test_converged_step_scores_the_committed_argmax(engine):
 
 
 def test_modes_other_than_diffusion_are_rejected_by_name(engine):
-    with pytest.raises(ValueError, match="mode='ar'.*DiffusionGemma"):
+    with pytest.raises(ParamError, match="mode='ar'.*DiffusionGemma") as err:
         engine.add(prompt(1, 3), DecodeParams(mode="ar"))
+    assert err.value.param == "diffusion.mode"
 
 
 def test_tensor_parallel_engine_equals_tp1(engine, tiny_gemma):

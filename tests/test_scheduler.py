@@ -3,7 +3,7 @@ import random
 import pytest
 
 from model.protocol import Block, Command, Events, NewSlot, StepCounters
-from model.sampling.params import DecodeParams
+from model.sampling.params import DecodeParams, ParamError
 from workers.scheduler import QueueFull, Scheduler, derived_metrics
 
 EOS = 2
@@ -105,19 +105,21 @@ def test_budget_must_fit_max_model_len(mode, prompt_len, max_tokens, ok):
     if ok:
         s.add("r", [1] * prompt_len, p)
         return
-    with pytest.raises(ValueError, match=rf"max_tokens={max_tokens}.*max_model_len=256") as err:
+    with pytest.raises(ParamError, match=rf"max_tokens={max_tokens}.*max_model_len=256") as err:
         s.add("r", [1] * prompt_len, p)
-    assert str(prompt_len) in str(err.value)
+    assert str(prompt_len) in str(err.value) and err.value.param == "max_tokens"
     assert s.num_waiting == 0
 
 
 def test_bad_requests_and_bad_construction():
     s = make()
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ParamError, match="empty") as err:
         s.add("r", [], params())
+    assert err.value.param == "prompt"
     s.add("r", [1], params())
-    with pytest.raises(ValueError, match="'r'"):
+    with pytest.raises(ParamError, match="'r'") as err:
         s.add("r", [1], params())
+    assert err.value.param == "request_id"
     with pytest.raises(ValueError, match="num_slots=0"):
         make(num_slots=0)
     with pytest.raises(ValueError, match="max_steps_per_command=0"):

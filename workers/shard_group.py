@@ -21,10 +21,7 @@ from model.parallel.group import TPGroup
 from model.protocol import Command, Events
 from model.runner import Runner
 from model.sampling.stats import TORCH_PASSES, VocabPasses
-
-
-class ShardFailure(RuntimeError):
-    """A rank failed or stopped answering; the in-flight command is lost."""
+from workers.failures import ShardFailure
 
 
 def build_runner(model_dir: str, tp: TPGroup, num_slots: int, max_model_len: int, dtype, device: str,

@@ -22,6 +22,16 @@ MAX_ENTROPY = 1e4         # nats: above C * log V of any canvas and vocabulary (
 FLOAT_FIELDS = ("temperature", "top_p", "threshold", "entropy_bound", "t_min", "t_max", "confidence_threshold")
 
 
+class ParamError(ValueError):
+    """A request that cannot be served as asked; `param` names the field at fault as an OpenAI request
+    spells it (dotted, e.g. "diffusion.mode"; a completion's names: the ingress renames "max_tokens" and
+    "prompt" for chat), None when no one field is. The ingress answers it with a 400 naming the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
 def fp32(x: float) -> float:
     """x as an fp32 tensor holds it (|x| within fp32's range)."""
     return struct.unpack("f", struct.pack("f", x))[0]
@@ -80,10 +90,10 @@ class DecodeParams(BaseModel):
         return v
 
     def check_family(self, family: str) -> None:
-        """Raises ValueError naming the parameter this model family cannot honour."""
+        """Raises ParamError naming the parameter this model family cannot honour."""
         if family == "diffusion-gemma" and self.mode != "diffusion":
-            raise ValueError(f"mode={self.mode!r} is not supported by DiffusionGemma (uniform-noise diffusion "
-                             "only); use mode='diffusion'")
+            raise ParamError(f"mode={self.mode!r} is not supported by DiffusionGemma (uniform-noise diffusion "
+                             "only); use mode='diffusion'", "diffusion.mode")
 
     @property
     def effective_temperature(self) -> float:
