@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import get_args
 
-from model.sampling.params import DecodeParams
+from model.sampling.params import DecodeParams, Mode, RevealPolicy
 from workers.engine import Engine
 from workers.scheduler import derived_metrics
 
@@ -22,9 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--mode", default="diffusion", choices=["diffusion", "ar", "linear_spec"])
-    p.add_argument("--policy", default="threshold",
-                   choices=["threshold", "low_confidence", "leftmost", "entropy_bound"])
+    p.add_argument("--mode", default="diffusion", choices=get_args(Mode))
+    p.add_argument("--policy", default="threshold", choices=get_args(RevealPolicy))
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--max-denoising-steps", type=int, default=None)
