@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     with Engine(args.model_dir, tp=args.tp, num_slots=1, max_model_len=max_model_len, device=args.device,
                 dtype=args.dtype) as engine:
         t = time.perf_counter()
-        request = engine.generate([ids], params)[0]
+        request, logprobs = engine.add(ids, params), []
+        while not request.finished:   # the step loop of Engine.run, keeping the scores each output carries
+            for out in engine.step():
+                logprobs += out.new_logprobs or []
         wall = time.perf_counter() - t
         counters = engine.scheduler.counters
     print(tokenizer.decode(request.output, skip_special_tokens=True))
@@ -61,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
           f"canvas_positions={counters.canvas_positions} canvases={counters.canvases} forwards={counters.forwards}")
     for name, value in derived_metrics(counters, wall).items():
         print(f"{name}={'n/a' if value is None else f'{value:.3f}'}")
-    if request.logprobs:
-        print("logprobs:", [round(x, 3) for x in request.logprobs])
+    if logprobs:
+        print("logprobs:", [round(x, 3) for x in logprobs])
 
 
 if __name__ == "__main__":
