@@ -1,5 +1,5 @@
-"""The failures that cross the control plane, torch-free so that the coordinator and the ingress can
-name them without loading the shards' code."""
+"""What a shard group raises when a rank fails, torch-free: the coordinator catches it without importing
+the shard groups' code (workers/shard_group.py, workers/ray_shards.py: torch and the runner)."""
 
 
 class ShardFailure(RuntimeError):
