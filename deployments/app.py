@@ -17,85 +17,38 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import FileResponse, PlainTextResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-# Serve ships `app` to its replica pickled, and the exception handlers' module globals arrive as copies (a
-# handler counting into `REQUESTS` counted into a copy). Looked up through the module, every path counts
-# into the process's one.
+# Counted through the module (`prom.REQUESTS`), never a name imported from it: deployments/errors.py says why.
 from deployments import metrics as prom
 from deployments.args import AppArgs
 from deployments.drafts import draft_event, draft_payload
+from deployments.errors import ERROR_STATUS, APIError, add_handlers, error_body
 from deployments.output import Delta, OutputAssembler, chat_logprobs, completion_logprobs
 from deployments.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                   ChatCompletionStreamResponse, ChatDelta, ChatResponseMessage, ChatStreamChoice,
                                   CompletionChoice, CompletionRequest, CompletionResponse,
-                                  CompletionStreamResponse, ModelCard, ModelList, ParamError, Usage, error_body,
-                                  validation_error_param)
+                                  CompletionStreamResponse, ModelCard, ModelList, Usage)
 from model.checkpoint import load_model_config
 from model.config import RenoiseDefaults, load_generation_defaults
+from model.sampling.params import ParamError
 from workers.serve_coordinator import CoordinatorDeployment, placement_bundles
 
 app = FastAPI(title="dllm-serve", docs_url=None, redoc_url=None)
 STATIC = Path(__file__).parent / "static"
 app.mount("/static", StaticFiles(directory=STATIC), name="static")   # the playground's script and style
+add_handlers(app)
 
 ENDPOINT = {"completion": "completions", "chat": "chat_completions"}   # request kind -> metrics label
 HEALTH_DETAIL = ("num_slots", "free_slots", "running", "waiting", "shard_failures")
-# coordinator error kind -> (HTTP status, OpenAI error type)
-ERROR_STATUS = {"invalid": (400, "invalid_request_error"), "queue_full": (429, "rate_limit_exceeded"),
-                "shard_failure": (503, "service_unavailable"), "timeout": (503, "timeout")}
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 headers: dict | None = None, code: str | None = None):
-        self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
-        self.code = code
-
-
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(err.message, err.type, err.param, err.code), status_code=err.status,
-                        headers=err.headers)
-
-
-@app.exception_handler(APIError)
-async def _api_error(request: Request, err: APIError) -> JSONResponse:
-    prom.REQUESTS.add(prom.endpoint_of(request.url.path), err.status)
-    return _error_response(err)
-
-
-@app.exception_handler(RequestValidationError)
-async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-    message, param = validation_error_param(err.errors())
-    prom.REQUESTS.add(prom.endpoint_of(request.url.path), 400)
-    return _error_response(APIError(400, message, param=param))
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
-    prom.REQUESTS.add(prom.endpoint_of(request.url.path), err.status_code)
-    message = str(err.detail)
-    if message == "There was an error parsing the body":  # FastAPI's json.loads raised, not with a JSON error
-        message = "the body could not be parsed as JSON: not UTF-8, nested too deeply, or an integer too long"
-    return _error_response(APIError(err.status_code, message, "invalid_request_error"))
-
-
 def _last_line(err: Exception) -> str:
     """A remote exception's own message (Ray prefixes the whole remote traceback)."""
     lines = [line for line in str(err).splitlines() if line.strip()]
     return lines[-1] if lines else type(err).__name__
-
-
-@app.exception_handler(Exception)
-async def _internal(request: Request, err: Exception) -> JSONResponse:
-    prom.REQUESTS.add(prom.endpoint_of(request.url.path), 500)
-    return _error_response(APIError(500, f"internal error: {type(err).__name__}", "internal_error"))
 
 
 def _sse(payload) -> str:
@@ -213,8 +166,8 @@ class OpenAIIngress:
         stream = self.coordinator.options(stream=True).generate.remote(prompt, params)
         try:
             first = await self._next(stream)
-        except APIError as err:  # the engine's own name for the output length
-            err.param = length_param if err.param == "max_tokens" else err.param
+        except APIError as err:  # the engine names a completion's fields: this request's own names
+            err.param = {"max_tokens": length_param, "prompt": prompt_param}.get(err.param, err.param)
             raise
         if first is None:
             raise APIError(503, "the model stopped without an answer", "service_unavailable")
@@ -237,12 +190,8 @@ class OpenAIIngress:
                            headers={"Retry-After": "1"}) from None
         if "error" in item:
             status, type_ = ERROR_STATUS.get(item["error"], (500, "internal_error"))
-            param = None
-            if item["error"] == "invalid":  # the engine's checks name the field first
-                param = "diffusion.mode" if item["message"].startswith("mode=") else \
-                    "max_tokens" if "max_tokens" in item["message"] else None
             headers = {"Retry-After": "1"} if status in (429, 503) else None
-            raise APIError(status, item["message"], type_, param, headers)
+            raise APIError(status, item["message"], type_, item["param"], headers)
         return item["output"]
 
     async def _outputs(self, stream, assembler: OutputAssembler) -> AsyncIterator[tuple[Delta, object]]:

@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from model.sampling.params import Mode, RevealPolicy
+
 DEFAULT_MODEL_CACHE = Path(os.environ.get("DLLM_CACHE", Path.home() / ".cache" / "dllm-serve"))
 
 
@@ -38,8 +40,8 @@ class AppArgs(BaseModel):
     request_timeout_s: float = Field(600.0, gt=0)
     command_timeout_s: float = Field(120.0, gt=0)
     # server-wide decoding defaults, overridable per request (`diffusion` object)
-    mode: Literal["diffusion", "ar", "linear_spec"] = "diffusion"
-    policy: Literal["threshold", "low_confidence", "leftmost", "entropy_bound"] = "threshold"
+    mode: Mode = "diffusion"
+    policy: RevealPolicy = "threshold"
     threshold: float = Field(0.9, gt=0, le=1)
     entropy_bound: float | None = Field(None, gt=0, description="None: 0.1, or DiffusionGemma's generation_config")
     max_denoising_steps: int | None = Field(None, ge=1)

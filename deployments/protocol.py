@@ -1,4 +1,4 @@
-"""The OpenAI-compatible wire format (pydantic v2): requests, responses, error bodies.
+"""The OpenAI-compatible wire format (pydantic v2): requests and responses (errors: deployments/errors.py).
 
 Requests forbid unknown fields, so a misspelt option is a 400 that names it; a JSON `null` means
 "not given" (the field's default). Numbers must be finite (Python's json reads NaN and Infinity) and
@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 from pydantic import ValidationInfo, model_validator
 
-from model.sampling.params import MAX_LOGPROBS, DecodeParams, Mode, RevealPolicy
+from deployments.errors import validation_error_param
+from model.sampling.params import MAX_LOGPROBS, DecodeParams, Mode, ParamError, RevealPolicy
 
 # ----------------------------------------------------------------------------------------- requests
 
@@ -64,14 +65,6 @@ class DiffusionOptions(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-
-
-class ParamError(ValueError):
-    """A request parameter the engine rejects; `param` is the request's dotted field name (or None)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.message, self.param = message, param
 
 
 class _SamplingRequest(_Strict):
@@ -128,7 +121,7 @@ class _SamplingRequest(_Strict):
         try:
             params = DecodeParams(**values)
         except ValidationError as err:
-            raise ParamError(*_describe(err.errors(), rename)) from None
+            raise ParamError(*validation_error_param(err, rename)) from None
         if params.stream_drafts and not self.stream:
             raise ParamError("diffusion.stream_drafts needs stream: true (drafts are sent between the streamed "
                              "chunks)", "diffusion.stream_drafts")
@@ -364,79 +357,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-# ------------------------------------------------------------------------------------------- errors
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
-    return ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code)).model_dump()
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "tuple", "none"}
-_BODY_ERRORS = {"json_invalid": "the body is not valid JSON: {error} at character {at}",
-                "missing": "the request has no JSON body",
-                "model_attributes_type": "the body must be a JSON object",
-                "dict_type": "the body must be a JSON object"}
-
-
-def _param(loc: tuple, rename: dict[str, str] | None = None, unknown: bool = False) -> str | None:
-    """('body', 'diffusion', 'threshold') -> 'diffusion.threshold'; ('messages', 0, 'content') ->
-    'messages[0].content'. Union-member tags (e.g. 'list[int]') are dropped; `unknown`: the last part
-    is a field the client sent that does not exist, kept as spelt (e.g. 'diffusion.Mode')."""
-    parts = list(loc[1:] if loc and loc[0] == "body" else loc)
-    if not parts or isinstance(parts[0], int):  # a model-level error, or a JSON decode position
-        return None
-    key = str(parts.pop()) if unknown else None
-    out = ""
-    for p in parts:
-        if isinstance(p, int):
-            out += f"[{p}]"
-        elif p.isidentifier() and p.islower() and p not in _TYPE_TAGS:
-            out += f".{p}" if out else p
-    if key is not None:
-        out = f"{out}.{key}" if out else key
-    if rename:
-        head, dot, rest = out.partition(".")
-        out = rename.get(head, head) + dot + rest
-    return out or None
-
-
-def _describe(errors: list[dict], rename: dict[str, str] | None = None) -> tuple[str, str | None]:
-    messages, params, seen = [], [], set()
-    for e in errors:
-        param = _param(tuple(e.get("loc", ())), rename, unknown=e.get("type") == "extra_forbidden")
-        if param in seen and param is not None:
-            continue  # several union members failing on one field: the first says enough
-        seen.add(param)
-        params.append(param)
-        msg = str(e.get("msg", "invalid value"))
-        for prefix in ("Value error, ", "Assertion failed, "):
-            msg = msg.removeprefix(prefix)
-        kind = e.get("type")
-        if kind == "extra_forbidden":
-            msg = "unknown field"
-        elif param is None and kind in _BODY_ERRORS:  # the body as a whole
-            loc, ctx = e.get("loc") or ("?",), e.get("ctx") or {}
-            msg = _BODY_ERRORS[kind].format(error=ctx.get("error", msg), at=loc[-1])
-        messages.append(f"{param}: {msg}" if param else msg)
-    return "; ".join(messages) or "invalid request", next((p for p in params if p), None)
-
-
-def validation_error_param(err: ValidationError | list[dict]) -> tuple[str, str | None]:
-    """A pydantic ValidationError (or FastAPI's `RequestValidationError.errors()`) -> (a readable message
-    naming every bad field, the first bad field's dotted name without the leading "body")."""
-    return _describe(err.errors() if isinstance(err, ValidationError) else list(err))

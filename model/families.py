@@ -14,7 +14,7 @@ import importlib
 from dataclasses import dataclass
 
 from model.config import DiffusionGemmaConfig, NemotronLabsDiffusionConfig, RenoiseDefaults
-from model.errors import RequestInvalid
+from model.sampling.params import ParamError
 from model.phases import StepBudget
 
 
@@ -42,10 +42,10 @@ class Family:
         return StepBudget(canvas_length, renoise.max_denoising_steps, last_canvas_commits=False)
 
     def check(self, params) -> None:
-        """RequestInvalid naming `diffusion.mode` if this family's weights cannot decode in the request's mode."""
+        """ParamError naming `diffusion.mode` if this family's weights cannot decode in the request's mode."""
         if params.mode not in self.modes:
             supported = " or ".join(f"mode={m!r}" for m in self.modes)
-            raise RequestInvalid(f"mode={params.mode!r} is not supported by {self.title}; use {supported}",
+            raise ParamError(f"mode={params.mode!r} is not supported by {self.title}; use {supported}",
                                  "diffusion.mode")
 
 

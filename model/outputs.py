@@ -9,6 +9,8 @@ synchronisation.
 """
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
 from model.drafts import DraftBuffer
@@ -16,7 +18,7 @@ from model.protocol import Block, StepCounters
 from model.sampling.params import MAX_LOGPROBS
 from model.slots import Scores, SlotTable
 
-COUNTERS = ("committed_tokens", "denoising_steps", "canvas_positions", "canvases", "forwards")
+COUNTERS = tuple(f.name for f in fields(StepCounters))   # the order of CommandOutputs.counters' entries
 
 
 class CommandOutputs:

@@ -13,6 +13,7 @@ import torch
 
 from model.sampling.params import DecodeParams
 from model.steps.compiled import CompiledUpdate, compile_updates_enabled
+from tests import served
 from workers.engine import Engine
 
 
@@ -21,9 +22,10 @@ def engine(model_dir, device: str = "cpu", dtype: str = "float32") -> Engine:
 
 
 def run(e: Engine, prompts, params) -> list[tuple]:
-    """Each request's tokens, scores, steps and finish reason, run to its end by the in-process engine."""
+    """Each request's tokens, scores, steps and finish reason as its outputs carry them, run to its end by
+    the in-process engine."""
     return [(r.output, r.logprobs, r.ranks, r.top_ids, r.top_logprobs, r.denoising_steps, r.canvases,
-             r.finish_reason) for r in e.generate(prompts, params)]
+             r.finish_reason) for r in served.generate(e, prompts, params)]
 
 
 NEMOTRON = [

@@ -10,8 +10,10 @@ import pytest
 
 from model.checkpoint import RunnerArgs
 from model.sampling.params import DecodeParams
+from model.tiny import write_diffusion_gemma
 from workers.coordinator import Coordinator, RequestError
-from workers.shard_group import InProcessShards, ShardFailure
+from workers.failures import ShardFailure
+from workers.shard_group import InProcessShards
 
 SLOTS = 2
 
@@ -112,7 +114,7 @@ def test_a_failure_with_a_command_queued_behind_it_ends_the_requests_and_recover
 
     results, after, c = asyncio.run(scenario())
     assert all(isinstance(r, RequestError) and r.kind == "shard_failure" for r in results), results
-    assert all(str(failure) in r.message for r in results)
+    assert all(str(failure) in r.message and r.param is None for r in results)
     assert len(after) == 32 and c.failures == 1 and c.shard_starts == 2
 
 
@@ -142,3 +144,29 @@ def test_a_request_arriving_while_one_command_runs_is_queued_behind_it(tiny_nemo
     queued_while_running, outs = asyncio.run(scenario())
     assert queued_while_running
     assert [len(t) for t in outs] == [32, 32]
+
+
+def test_a_rejected_request_ends_with_the_field_at_fault(tiny_nemotron, tmp_path):
+    """The engine's ParamError reaches the caller as a RequestError naming the field (the ingress's 400
+    `param`), not left to be parsed out of its message."""
+    class UnstartedShards(QueuedShards):
+        async def start(self) -> None:   # a rejected request runs nothing
+            pass
+
+    async def error_of(model_dir, prompt, p: DecodeParams) -> RequestError:
+        c = coordinator(model_dir, UnstartedShards(model_dir), overlap=False)
+        try:
+            with pytest.raises(RequestError) as err:
+                async for _ in c.generate(prompt, p):
+                    pass
+        finally:
+            c._loop_task.cancel()
+        return err.value
+
+    empty = asyncio.run(error_of(tiny_nemotron, [], params(32)))
+    too_long = asyncio.run(error_of(tiny_nemotron, [1] * 500, params(32)))
+    gemma = write_diffusion_gemma(tmp_path / "gemma", seed=0)
+    mode = asyncio.run(error_of(gemma, [1, 2], DecodeParams(mode="ar", max_tokens=4)))
+    assert (empty.kind, empty.param) == ("invalid", "prompt") and "empty" in empty.message
+    assert (too_long.kind, too_long.param) == ("invalid", "max_tokens") and "max_model_len=512" in too_long.message
+    assert (mode.kind, mode.param) == ("invalid", "diffusion.mode") and "DiffusionGemma" in mode.message

@@ -12,6 +12,7 @@ from model.runner import Runner
 from model.sampling import noise
 from model.sampling import reveal as rv
 from model.sampling.params import DecodeParams
+from tests import served
 from workers.engine import Engine
 
 MASK, C, V = 100, 32, 997
@@ -303,7 +304,7 @@ def engine_run(tiny_nemotron, model):
     # (no top_p < 1 here: see test_top_p_neighbour_does_not_change_a_request)
     ps.append(DecodeParams(max_tokens=32, temperature=1.0, seed=200, logprobs=2, ignore_eos=True, top_k=12,
                            policy="entropy_bound", entropy_bound=0.5))
-    requests = engine.generate([PROMPT, PROMPT[:2], PROMPT + (11, 12), PROMPT], ps)
+    requests = served.generate(engine, [PROMPT, PROMPT[:2], PROMPT + (11, 12), PROMPT], ps)
     return engine, runner.observer, requests
 
 
@@ -379,13 +380,13 @@ def test_request_is_isolated_from_its_neighbours(tiny_nemotron):
     engine = Engine(tiny_nemotron, num_slots=6, max_model_len=256)
     target = DecodeParams(max_tokens=40, temperature=0.7, seed=77, logprobs=3, ignore_eos=True,
                           policy="low_confidence", max_denoising_steps=8)
-    (alone,) = engine.generate([PROMPT], target)
+    (alone,) = served.generate(engine, [PROMPT], target)
     neighbours = [DecodeParams(max_tokens=9, temperature=0.0, seed=1, logprobs=20, top_k=3),
                   DecodeParams(max_tokens=64, temperature=2.0, seed=2, ignore_eos=True, max_denoising_steps=4),
                   DecodeParams(mode="ar", max_tokens=20, temperature=1.0, seed=3, logprobs=1, ignore_eos=True),
                   DecodeParams(mode="linear_spec", max_tokens=30, seed=4, ignore_eos=True),
                   DecodeParams(max_tokens=33, temperature=1.0, seed=5, policy="entropy_bound", logprobs=0)]
-    rs = engine.generate([PROMPT[:2], PROMPT + (9,) * 30, PROMPT, PROMPT, PROMPT + (3,), PROMPT],
+    rs = served.generate(engine, [PROMPT[:2], PROMPT + (9,) * 30, PROMPT, PROMPT, PROMPT + (3,), PROMPT],
                          neighbours[:3] + [target] + neighbours[3:])
     batched = rs[3]
     assert batched.output == alone.output
@@ -397,9 +398,9 @@ def test_request_is_isolated_from_its_neighbours(tiny_nemotron):
 def test_top_p_neighbour_does_not_change_a_request(tiny_nemotron):
     engine = Engine(tiny_nemotron, num_slots=2, max_model_len=256)
     target = DecodeParams(max_tokens=64, temperature=0.5, seed=0, logprobs=2, ignore_eos=True)
-    (alone,) = engine.generate([PROMPT], target)
-    batched = engine.generate([PROMPT, [1, 9]], [target, DecodeParams(max_tokens=64, seed=99, top_p=0.8,
-                                                                      ignore_eos=True)])[0]
+    (alone,) = served.generate(engine, [PROMPT], target)
+    batched = served.generate(engine, [PROMPT, [1, 9]], [target, DecodeParams(max_tokens=64, seed=99, top_p=0.8,
+                                                                              ignore_eos=True)])[0]
     assert batched.output == alone.output
     assert batched.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
 
@@ -424,7 +425,7 @@ def structure_run(tiny_nemotron):
     ps = [DecodeParams(ignore_eos=True, **s) for s in specs]
     # the last four: prompts on which the tiny model's drafts get a 2-token block accepted now and then
     prompts = [PROMPT] * (len(ps) - 4) + [SPEC_PROMPTS[0]] * 2 + [SPEC_PROMPTS[1]] * 2
-    return engine.generate(prompts, ps)
+    return served.generate(engine, prompts, ps)
 
 
 def test_one_score_per_token_ranks_and_top_logprobs(structure_run):
@@ -432,7 +433,7 @@ def test_one_score_per_token_ranks_and_top_logprobs(structure_run):
         k = r.params.logprobs
         assert len(r.output) == r.params.max_tokens
         if k is None:
-            assert r.logprobs == [] and r.ranks == [] and r.top_ids == [] and r.top_logprobs == []
+            assert r.logprobs is None and r.ranks is None and r.top_ids is None and r.top_logprobs is None
             continue
         n = len(r.output)
         assert len(r.logprobs) == len(r.ranks) == len(r.top_ids) == len(r.top_logprobs) == n

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from model.phases import DENOISE
 from model.protocol import StepCounters
 from model.sampling.params import DecodeParams
+from tests import served
 from workers.engine import Engine
 
 MASK, EOS, C = 100, 2, 32
@@ -133,7 +134,7 @@ def test_mask_token_never_emitted(engine):
     prompts = [[1] + [rng.randrange(3, 997) for _ in range(rng.randrange(1, 10))] for _ in ps]
     rs = []
     for i in range(0, len(ps), 16):
-        rs += engine.generate(prompts[i:i + 16], ps[i:i + 16])
+        rs += served.generate(engine, prompts[i:i + 16], ps[i:i + 16])
     for r in rs:
         assert MASK not in r.output, r.params
         if r.params.mode == "diffusion":   # no canvas was cut short by a mask mistaken for an early stop
@@ -151,8 +152,8 @@ def test_mask_token_never_emitted(engine):
 # Seeds whose Gumbel noise is exactly +inf at the mask id (noise.uniform returns 1.0; see test_sampling):
 # -inf + inf = NaN and argmax picks it.
 def test_ar_sampling_never_emits_the_mask_token(engine):
-    (r,) = engine.generate([PROMPT], DecodeParams(mode="ar", temperature=1.0, seed=4274713, max_tokens=4,
-                                                  logprobs=1))
+    (r,) = served.generate(engine, [PROMPT], DecodeParams(mode="ar", temperature=1.0, seed=4274713, max_tokens=4,
+                                                          logprobs=1))
     assert MASK not in r.output, (r.output, r.logprobs, r.ranks)
 
 
@@ -244,7 +245,7 @@ def test_max_tokens_truncates_exactly(engine, mode):
         dict(temperature=0.7) if mode == "ar" else {}
     ps = [DecodeParams(mode=mode, seed=21, max_tokens=n, ignore_eos=True, logprobs=1, **extra) for n in lengths]
     ps.append(DecodeParams(mode=mode, seed=21, max_tokens=64, ignore_eos=True, logprobs=1, **extra))
-    rs = engine.generate([PROMPT] * 4, ps)
+    rs = served.generate(engine, [PROMPT] * 4, ps)
     ref = rs[-1]
     assert len(ref.output) == 64
     for n, r in zip(lengths, rs):

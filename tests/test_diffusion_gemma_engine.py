@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from model.sampling.params import DecodeParams
+from model.sampling.params import DecodeParams, ParamError
+from tests import served
 from tests.reference import gemma_generate_with_our_draws
 from workers.engine import Engine
 
@@ -64,13 +65,13 @@ def test_fixed_schedule_commits_canvas_over_steps_tokens_per_step(tmp_path):
 
 def test_request_alone_equals_request_among_neighbours(engine):
     probe = (prompt(10, 12), DecodeParams(seed=5, max_tokens=40, ignore_eos=True, logprobs=3))
-    alone = engine.generate([probe[0]], [probe[1]])[0]
+    alone = served.generate(engine, [probe[0]], [probe[1]])[0]
     neighbours = [(prompt(20 + i, 5 + 7 * i), DecodeParams(seed=i, max_tokens=10 + 9 * i, ignore_eos=True,
                                                           logprobs=[None, 0, 5][i % 3], top_k=[0, 40][i % 2],
                                                           max_denoising_steps=[None, 4][i % 2]))
                   for i in range(4)]
     batch = neighbours[:2] + [probe] + neighbours[2:]
-    together = engine.generate([p for p, _ in batch], [q for _, q in batch])[2]
+    together = served.generate(engine, [p for p, _ in batch], [q for _, q in batch])[2]
     assert together.output == alone.output
     assert len(together.logprobs) == len(together.output) == 40
     assert max(abs(a - b) for a, b in zip(together.logprobs, alone.logprobs)) < 1e-4
@@ -78,7 +79,8 @@ def test_request_alone_equals_request_among_neighbours(engine):
 
 
 def test_converged_step_scores_the_committed_argmax(engine):
-    r = engine.generate([prompt(30, 8)], DecodeParams(seed=9, max_tokens=16, ignore_eos=True, logprobs=2))[0]
+    (r,) = served.generate(engine, [prompt(30, 8)], DecodeParams(seed=9, max_tokens=16, ignore_eos=True,
+                                                                  logprobs=2))
     # the committed token is the argmax of the converged step's distribution: rank 1, the top alternative
     assert r.ranks == [1] * 16
     assert [ids[0] for ids in r.top_ids] == r.output
@@ -86,17 +88,18 @@ def test_converged_step_scores_the_committed_argmax(engine):
 
 
 def test_modes_other_than_diffusion_are_rejected_by_name(engine):
-    with pytest.raises(ValueError, match="mode='ar'.*DiffusionGemma"):
+    with pytest.raises(ParamError, match="mode='ar'.*DiffusionGemma") as err:
         engine.add(prompt(1, 3), DecodeParams(mode="ar"))
+    assert err.value.param == "diffusion.mode"
 
 
 def test_tensor_parallel_engine_equals_tp1(engine, tiny_gemma):
     cases = [(prompt(40 + i, 6 + 5 * i), DecodeParams(seed=i, max_tokens=16 * (1 + i % 2), ignore_eos=True,
                                                     logprobs=[None, 2][i % 2], max_denoising_steps=4))
              for i in range(3)]
-    ref = engine.generate([p for p, _ in cases], [q for _, q in cases])
+    ref = served.generate(engine, [p for p, _ in cases], [q for _, q in cases])
     with Engine(tiny_gemma, tp=2, num_slots=6, max_model_len=256) as tp2:
-        got = tp2.generate([p for p, _ in cases], [q for _, q in cases])
+        got = served.generate(tp2, [p for p, _ in cases], [q for _, q in cases])
     for a, b in zip(ref, got):
         assert a.output == b.output
         if a.logprobs:

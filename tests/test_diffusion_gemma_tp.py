@@ -16,10 +16,10 @@ from torch.utils._pytree import tree_leaves
 
 from model.attention import LayeredKVCache, StepContext, step_context
 from model.loader import load_model
-from model.parallel import reductions as R
 from model.parallel.group import TPGroup, shard_range
 from model.sampling import renoise as RN
 from model.sampling.stats import unscaled
+from tests import vocab_reductions as VR
 from tests.tp_harness import FP64_TOL, assert_tp_matches, spawn_tp
 
 DTYPES = (torch.float32, torch.float64)
@@ -118,7 +118,7 @@ def run_schedule(model, tp: TPGroup, forced: list | None = None) -> dict:
         with CountAllReduce() as count:
             local = forward(model, kv, rows, soft)
         out["forward_all_reduces"].append(count.calls)
-        out["logits"].append(R.gather_vocab(local, V, tp))
+        out["logits"].append(VR.gather_vocab(local, V, tp))
         return local
 
     fwd([(0, 0, True, p0), (1, 0, True, p1)])

@@ -7,8 +7,9 @@ from model.drafts import DraftBuffer
 from model.protocol import Block, Draft
 from model.sampling.params import DecodeParams
 from model.tiny import write_diffusion_gemma
+from tests.served import Served
 from workers.engine import Engine
-from workers.request import Request
+from workers.request import Request, RequestOutput
 
 PROMPTS = [[1, 300, 301, 302], [1, 400, 401], [1, 500]]
 
@@ -26,21 +27,21 @@ def gemma(tmp_path_factory):
         yield e
 
 
-def run(engine, params: list[DecodeParams]):
-    """Requests and every RequestOutput each received, in order."""
+def run(engine, params: list[DecodeParams]) -> tuple[list[Served], list[list[RequestOutput]]]:
+    """Each request as its outputs tell it, and every RequestOutput each received, in order."""
     requests = [engine.add(p, q) for p, q in zip(PROMPTS, params)]
     outputs = {r.request_id: [] for r in requests}
     while not all(r.finished for r in requests):
         for out in engine.step():
             outputs[out.request_id].append(out)
-    return requests, [outputs[r.request_id] for r in requests]
+    return [Served.of(r, outputs[r.request_id]) for r in requests], [outputs[r.request_id] for r in requests]
 
 
 def drafts_of(outs):
     return [d for out in outs for d in out.new_drafts]
 
 
-def assert_same_output(a: list[Request], b: list[Request]):
+def assert_same_output(a: list[Served], b: list[Served]):
     for ra, rb in zip(a, b):
         assert ra.output == rb.output
         assert ra.logprobs == rb.logprobs and ra.top_logprobs == rb.top_logprobs  # exactly: the same batch

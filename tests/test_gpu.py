@@ -5,6 +5,8 @@ import random
 import pytest
 import torch
 
+from tests import served
+
 pytestmark = pytest.mark.gpu
 
 
@@ -41,12 +43,12 @@ def test_cuda_engine_alone_equals_in_batch(cuda_engine):
     rng = random.Random(3)
     probe = ([1] + [rng.randrange(101, 997) for _ in range(20)],
              DecodeParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2))
-    alone = cuda_engine.generate([probe[0]], [probe[1]])[0]
+    alone = served.generate(cuda_engine, [probe[0]], [probe[1]])[0]
     others = [([1] + [rng.randrange(101, 997) for _ in range(rng.randint(3, 50))],
                DecodeParams(temperature=0.8, seed=i, max_tokens=rng.randint(5, 90), logprobs=[None, 0, 5][i % 3]))
               for i in range(5)]
     batch = others[:2] + [probe] + others[2:]
-    together = cuda_engine.generate([p for p, _ in batch], [q for _, q in batch])[2]
+    together = served.generate(cuda_engine, [p for p, _ in batch], [q for _, q in batch])[2]
     assert together.output == alone.output
     assert max(abs(a - b) for a, b in zip(together.logprobs, alone.logprobs)) < 0.02
 
@@ -207,7 +209,7 @@ def test_cuda_graphed_prefill_equals_eager(family, tiny_nemotron, tiny_gemma):
             runner = e.shards.runner
             if not graphs:
                 runner.graphs = None
-            out = [[e.generate([p], [params])[0] for p in prompts] + e.generate(prompts, [params, params])
+            out = [[served.generate(e, [p], [params])[0] for p in prompts] + served.generate(e, prompts, [params] * 2)
                    for _ in range(n)]
             captured = [k for k, g in runner.graphs.graphs.items() if k[0] == "prefill" and g] if graphs else []
         return out, {(k[1].rows, k[1].kv_len) for k in captured}
@@ -229,11 +231,11 @@ def _gemma_alone_and_together(model_dir, dtype, batch_invariant=False):
     with Engine(model_dir, num_slots=4, max_model_len=256, device="cuda", dtype=dtype,
                 batch_invariant=batch_invariant) as e:
         probe = ([2, 50, 60, 70, 80], DecodeParams(seed=3, max_tokens=32, ignore_eos=True, logprobs=2))
-        alone = e.generate([probe[0]], [probe[1]])[0]
-        together = e.generate([[2, 9, 9, 9], probe[0]],
-                              [DecodeParams(seed=1, max_tokens=16, ignore_eos=True), probe[1]])[1]
-        fixed = e.generate([[2, 11]], DecodeParams(seed=1, max_tokens=32, ignore_eos=True, max_denoising_steps=4,
-                                                   confidence_threshold=0))[0]
+        alone = served.generate(e, [probe[0]], [probe[1]])[0]
+        together = served.generate(e, [[2, 9, 9, 9], probe[0]],
+                                   [DecodeParams(seed=1, max_tokens=16, ignore_eos=True), probe[1]])[1]
+        fixed = served.generate(e, [[2, 11]], DecodeParams(seed=1, max_tokens=32, ignore_eos=True,
+                                                           max_denoising_steps=4, confidence_threshold=0))[0]
     return alone, together, fixed
 
 
@@ -247,32 +249,56 @@ def test_cuda_diffusion_gemma_engine_fp32(tiny_gemma):
 
 def test_cuda_diffusion_gemma_bf16_batch_invariant(tiny_gemma):
     """In bf16 the default kernels round a row differently in another batch and the renoise sampler's
-    Gumbel draws then pick other tokens; the batch-invariant mode gives the same bits."""
+    Gumbel draws then pick other tokens (the contrast below); the batch-invariant mode gives the same bits."""
     alone, together, fixed = _gemma_alone_and_together(tiny_gemma, "bfloat16", batch_invariant=True)
     assert len(alone.output) == 32 and fixed.denoising_steps == 8
     assert together.output == alone.output
     assert together.logprobs == alone.logprobs and together.top_logprobs == alone.top_logprobs
 
 
-def test_cuda_nemotron_bf16_batch_invariant(tiny_nemotron):
-    """The probe alone and among five neighbours of other lengths, temperatures and logprob options: the
-    same tokens and the same logprobs, bit for bit."""
+def test_cuda_diffusion_gemma_bf16_default_kernels_differ_in_a_batch(tiny_gemma):
+    """The contrast that gives the test above its meaning: with the default kernels the same comparison
+    shows other bits (on an H200 before the batch-invariant mode, the first token already differed), so
+    equal bits there are the mode's doing, not a batch too small to matter."""
+    alone, together, _ = _gemma_alone_and_together(tiny_gemma, "bfloat16", batch_invariant=False)
+    assert len(together.logprobs) == len(alone.logprobs) == 32
+    assert together.logprobs != alone.logprobs
+
+
+def _nemotron_alone_and_together(model_dir, batch_invariant: bool):
+    """A sampled probe with logprobs, alone and as the third of eight requests of other lengths (prompts of
+    60-300 tokens against its 21), temperatures and logprob options: its prefill and steps run at other
+    shapes than alone, which the default kernels' tiling and reduction order follow."""
     from model.sampling.params import DecodeParams
     from workers.engine import Engine
 
     rng = random.Random(5)
     probe = ([1] + [rng.randrange(101, 997) for _ in range(20)],
              DecodeParams(temperature=0.7, seed=9, max_tokens=64, ignore_eos=True, logprobs=3))
-    others = [([1] + [rng.randrange(101, 997) for _ in range(rng.randint(3, 50))],
+    others = [([1] + [rng.randrange(101, 997) for _ in range(rng.randint(60, 300))],
                DecodeParams(temperature=[0, 0.8][i % 2], seed=i, max_tokens=rng.randint(5, 90),
-                            logprobs=[None, 0, 5][i % 3])) for i in range(5)]
-    with Engine(tiny_nemotron, num_slots=8, max_model_len=512, device="cuda", dtype="bfloat16",
-                batch_invariant=True) as e:
-        alone = e.generate([probe[0]], [probe[1]])[0]
+                            logprobs=[None, 0, 5][i % 3])) for i in range(7)]
+    with Engine(model_dir, num_slots=8, max_model_len=512, device="cuda", dtype="bfloat16",
+                batch_invariant=batch_invariant) as e:
+        alone = served.generate(e, [probe[0]], [probe[1]])[0]
         batch = others[:2] + [probe] + others[2:]
-        together = e.generate([p for p, _ in batch], [q for _, q in batch])[2]
+        together = served.generate(e, [p for p, _ in batch], [q for _, q in batch])[2]
+    return alone, together
+
+
+def test_cuda_nemotron_bf16_batch_invariant(tiny_nemotron):
+    """The probe alone and among seven neighbours: the same tokens and the same logprobs, bit for bit."""
+    alone, together = _nemotron_alone_and_together(tiny_nemotron, batch_invariant=True)
     assert together.output == alone.output
     assert together.logprobs == alone.logprobs and together.top_logprobs == alone.top_logprobs
+
+
+def test_cuda_nemotron_bf16_default_kernels_differ_in_a_batch(tiny_nemotron):
+    """The contrast that gives the test above its meaning: the same comparison with the default kernels
+    shows other bits in the probe's logprobs, so equal bits there are the mode's doing."""
+    alone, together = _nemotron_alone_and_together(tiny_nemotron, batch_invariant=False)
+    assert len(together.logprobs) == len(alone.logprobs) == 64
+    assert together.logprobs != alone.logprobs
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

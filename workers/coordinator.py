@@ -24,21 +24,22 @@ from typing import AsyncIterator
 
 from model.checkpoint import Checkpoint
 from model.protocol import StepCounters
-from model.sampling.params import DecodeParams
+from model.sampling.params import DecodeParams, ParamError
+from workers.failures import ShardFailure
 from workers.metrics import RequestMetrics
 from workers.request import RequestOutput
 from workers.scheduler import QueueFull, Scheduler, derived_metrics
-from workers.shard_group import ShardFailure
 
 log = logging.getLogger("dllm.coordinator")
 
 
 class RequestError(Exception):
-    """Ends a stream: `kind` maps to an HTTP status at the ingress."""
+    """Ends a stream: `kind` maps to an HTTP status at the ingress; `param` names the request's field at
+    fault, where one is (a ParamError's)."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, param: str | None = None):
         super().__init__(message)
-        self.kind, self.message = kind, message
+        self.kind, self.message, self.param = kind, message, param
 
 
 class Coordinator:
@@ -110,7 +111,7 @@ class Coordinator:
         except QueueFull:
             raise RequestError("queue_full", f"the request queue is full ({self.max_queue} waiting)") from None
         except ValueError as err:
-            raise RequestError("invalid", str(err)) from None
+            raise RequestError("invalid", str(err), err.param if isinstance(err, ParamError) else None) from None
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = queue
         self._wake.set()

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import get_args
 
-from model.sampling.params import DecodeParams
+from model.sampling.params import DecodeParams, Mode, RevealPolicy
 from workers.engine import Engine
 from workers.scheduler import derived_metrics
 
@@ -22,9 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--mode", default="diffusion", choices=["diffusion", "ar", "linear_spec"])
-    p.add_argument("--policy", default="threshold",
-                   choices=["threshold", "low_confidence", "leftmost", "entropy_bound"])
+    p.add_argument("--mode", default="diffusion", choices=get_args(Mode))
+    p.add_argument("--policy", default="threshold", choices=get_args(RevealPolicy))
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--max-denoising-steps", type=int, default=None)
@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     with Engine(args.model_dir, tp=args.tp, num_slots=1, max_model_len=max_model_len, device=args.device,
                 dtype=args.dtype) as engine:
         t = time.perf_counter()
-        request = engine.generate([ids], params)[0]
+        request, logprobs = engine.add(ids, params), []
+        while not request.finished:   # the step loop of Engine.run, keeping the scores each output carries
+            for out in engine.step():
+                logprobs += out.new_logprobs or []
         wall = time.perf_counter() - t
         counters = engine.scheduler.counters
     print(tokenizer.decode(request.output, skip_special_tokens=True))
@@ -61,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
           f"canvas_positions={counters.canvas_positions} canvases={counters.canvases} forwards={counters.forwards}")
     for name, value in derived_metrics(counters, wall).items():
         print(f"{name}={'n/a' if value is None else f'{value:.3f}'}")
-    if request.logprobs:
-        print("logprobs:", [round(x, 3) for x in request.logprobs])
+    if logprobs:
+        print("logprobs:", [round(x, 3) for x in logprobs])
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from model.protocol import Command, Events
+from workers.failures import ShardFailure
 from workers.shard import ShardWorker
-from workers.shard_group import ShardFailure
 
 
 class RayShards:

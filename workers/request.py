@@ -47,11 +47,7 @@ class Request:
     params: DecodeParams
     seed: int
     stop_ids: frozenset[int] = frozenset()   # EOS (unless ignore_eos) and stop_token_ids: kept, then stop
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    ranks: list[int] = field(default_factory=list)
-    top_ids: list[list[int]] = field(default_factory=list)
-    top_logprobs: list[list[float]] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)   # the tokens (their scores go out with each output only)
     finish_reason: str | None = None         # "stop" | "length" | "abort"
     slot: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
@@ -123,10 +119,6 @@ class Request:
             top_lps = none if block.top_logprobs is None else block.top_logprobs
             assert len(block.logprobs) == len(block.ranks) == len(top_ids) == len(top_lps) == len(block.tokens)
             scores = (block.logprobs[:n], block.ranks[:n], top_ids[:n], top_lps[:n])
-            self.logprobs += scores[0]
-            self.ranks += scores[1]
-            self.top_ids += scores[2]
-            self.top_logprobs += scores[3]
         if reason is not None:
             self.finish(reason)
         out = self._output(tokens, *scores)

@@ -22,7 +22,7 @@ from typing import Sequence
 
 from model.phases import StepBudget
 from model.protocol import Command, Events, NewSlot, StepCounters
-from model.sampling.params import DecodeParams
+from model.sampling.params import DecodeParams, ParamError
 from workers.request import Request, RequestOutput
 
 
@@ -77,20 +77,21 @@ class Scheduler:
 
     def add(self, request_id: str, prompt: Sequence[int], params: DecodeParams) -> Request:
         """Queues a request (FIFO). `max_queue` bounds the requests that must wait for a slot: those that
-        free slots take at the next schedule() do not count against it."""
+        free slots take at the next schedule() do not count against it. Raises ParamError naming what does
+        not fit, QueueFull when the queue is full."""
         prompt = tuple(prompt)
         if not prompt:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
+            raise ParamError(f"request {request_id!r}: the prompt is empty", "prompt")
         if request_id in self._live:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise ParamError(f"request_id {request_id!r} is already in use", "request_id")
         # Diffusion and linear speculation write whole canvases, so the last one may run past max_tokens.
         positions = params.max_tokens if params.mode == "ar" else \
             math.ceil(params.max_tokens / self.canvas_length) * self.canvas_length
         if len(prompt) + positions > self.max_model_len:
-            raise ValueError(
+            raise ParamError(
                 f"request {request_id!r}: prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} "
                 f"({positions} positions in {params.mode} mode, canvas_length={self.canvas_length}) "
-                f"exceeds max_model_len={self.max_model_len}")
+                f"exceeds max_model_len={self.max_model_len}", "max_tokens")
         if len(self._waiting) - self.free_slots >= self.max_queue:
             raise QueueFull(f"{len(self._waiting)} requests waiting (max_queue={self.max_queue})")
         seed = params.seed if params.seed is not None else self._rng.randrange(2**63)

@@ -19,10 +19,7 @@ from model.checkpoint import RunnerArgs
 from model.parallel.group import TPGroup
 from model.protocol import Command, Events
 from model.runner import Runner
-
-
-class ShardFailure(RuntimeError):
-    """A rank failed or stopped answering; the in-flight command is lost."""
+from workers.failures import ShardFailure
 
 
 class InProcessShards:

@@ -31,43 +31,6 @@ def logsumexp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return m + torch.log(z)
 
 
-def entropy(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """H(softmax(x)) = m + log Z - A / Z with Z = sum e^(s-m), A = sum e^(s-m) s; computed as
-    log Z - A' / Z with A' = sum e^(s-m) (s-m), the same value without cancelling large logits."""
-    m = global_max(x, tp)
-    shifted = x - torch.where(torch.isfinite(m), m, 0).unsqueeze(-1)
-    e = torch.exp(shifted)
-    za = torch.stack([row_sum(e), row_sum(torch.where(e > 0, e * shifted, 0))])
-    z, a = tp.all_reduce(za)
-    return torch.log(z) - a / z
-
-
-def argmax(x: torch.Tensor, vocab_start: int, tp: TPGroup) -> torch.Tensor:
-    """Global ids of the maximum, the lowest id among equal maxima (torch.argmax returns the first)."""
-    local = torch.argmax(x, dim=-1)
-    if not tp.is_parallel:
-        return local + vocab_start
-    value = torch.gather(x, -1, local.unsqueeze(-1)).squeeze(-1)
-    best = global_max(x, tp)
-    candidate = torch.where(value == best, local + vocab_start, _NO_ID)
-    return tp.all_reduce(candidate, dist.ReduceOp.MIN)
-
-
-def value_at(x: torch.Tensor, ids: torch.Tensor, vocab_start: int, tp: TPGroup) -> torch.Tensor:
-    """x[..., ids] where the global ids may live on any rank."""
-    local = ids - vocab_start
-    mine = (local >= 0) & (local < x.shape[-1])
-    picked = torch.gather(x, -1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1)
-    if not tp.is_parallel:
-        return picked
-    return tp.all_reduce(torch.where(mine, picked, -torch.inf), dist.ReduceOp.MAX)
-
-
-def count_greater(x: torch.Tensor, threshold: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """Number of vocabulary entries strictly above threshold[...] (a token's rank is 1 + this)."""
-    return tp.all_reduce((x > threshold.unsqueeze(-1)).sum(dim=-1))
-
-
 def topk(x: torch.Tensor, k: int, vocab_start: int, tp: TPGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest entries, descending, equal values ordered by lowest global id; merged from each
     rank's own top k."""
@@ -94,16 +57,3 @@ def _local_topk(x: torch.Tensor, k: int, vocab_start: int) -> tuple[torch.Tensor
         values = torch.cat([values, x.new_full(pad, -torch.inf)], dim=-1)
         ids = torch.cat([ids, ids.new_full(pad, _NO_ID)], dim=-1)
     return values, ids
-
-
-def gather_vocab(x: torch.Tensor, vocab_size: int, tp: TPGroup) -> torch.Tensor:
-    """The full-vocabulary logits [..., V] on every rank. For tests and debugging only: the serving
-    path never materialises full-vocabulary tensors under TP."""
-    if not tp.is_parallel:
-        return x
-    width = -(-vocab_size // tp.world_size)
-    padded = torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=torch.nan)
-    gathered = torch.movedim(tp.all_gather(padded), 0, -2)  # [..., tp, width]
-    keep = [slice(0, (r + 1) * vocab_size // tp.world_size - r * vocab_size // tp.world_size)
-            for r in range(tp.world_size)]
-    return torch.cat([gathered[..., r, s] for r, s in enumerate(keep)], dim=-1)

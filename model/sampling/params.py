@@ -22,6 +22,16 @@ MAX_ENTROPY = 1e4         # nats: above C * log V of any canvas and vocabulary (
 FLOAT_FIELDS = ("temperature", "top_p", "threshold", "entropy_bound", "t_min", "t_max", "confidence_threshold")
 
 
+class ParamError(ValueError):
+    """A request that cannot be served as asked; `param` names the field at fault as an OpenAI request
+    spells it (dotted, e.g. "diffusion.mode"; a completion's names: the ingress renames "max_tokens" and
+    "prompt" for chat), None when no one field is. The ingress answers it with a 400 naming the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
 def fp32(x: float) -> float:
     """x as an fp32 tensor holds it (|x| within fp32's range)."""
     return struct.unpack("f", struct.pack("f", x))[0]
