@@ -124,13 +124,15 @@ def test_a_mix_file_weights_nests_and_leaves_out_null(tmp_path):
     ('{"max_tokens": 4}', "line 1: prompt_len is required"),
     ('\n\n{"prompt_len": 0, "max_tokens": 4}', "line 3: prompt_len: must be a whole number >= 1, got 0"),
     ('{"prompt_len": {"uniform": [1.5, 9]}, "max_tokens": 4}', "line 1: prompt_len: uniform must give whole numbers"),
-    ('{"prompt_len": 8, "max_tokens": {"choice": [4, null]}}', "line 1: max_tokens: must be a whole number >= 1, got null"),
+    ('{"prompt_len": 8, "max_tokens": {"choice": [4, null]}}',
+     "line 1: max_tokens: must be a whole number >= 1, got null"),
     ('{"prompt_len": 8, "max_tokens": 4, "weight": 0}', "line 1: weight must be a number > 0, got 0"),
     ('{"prompt_len": 8, "max_tokens": 4, "top_k": {"uniform": [9, 1]}}', "line 1: top_k: uniform needs [lo, hi]"),
     ('{"prompt_len": 8, "max_tokens": 4, "top_k": {"choice": []}}', "line 1: top_k: choice needs a non-empty list"),
     ('{"prompt_len": 8, "max_tokens": 4, "diffusion": {"mode": "ar"}}', "line 1: diffusion: an object must be one of"),
     ('{"prompt_len": 8, "max_tokens": 4, "stream": true}', "line 1: field 'stream' cannot be drawn"),
-    ('{"prompt_len": 8, "max_tokens": 4, "diffusion": null, "diffusion.mode": "ar"}', "line 1: 'diffusion' and a field"),
+    ('{"prompt_len": 8, "max_tokens": 4, "diffusion": null, "diffusion.mode": "ar"}',
+     "line 1: 'diffusion' and a field"),
     ('', "no lines"),
 ])
 def test_a_bad_mix_file_is_an_error_naming_its_line(tmp_path, text, message):
@@ -174,7 +176,8 @@ def test_a_chunk_whose_tokens_decode_to_no_text_still_counts():
     res = _send([{"choices": [{"text": "", "finish_reason": "length"}]}, {"choices": [], "usage": usage}])
     assert res.ok and res.ttft is not None and len(res.chunk_times) == 1 and res.output_tokens == 64
     # every chunk with choices is an arrival, whatever its text; the usage chunk (no choices) is not
-    res = _send([{"choices": [{"text": "", "finish_reason": None}]}, {"choices": [{"text": "a", "finish_reason": None}]},
+    res = _send([{"choices": [{"text": "", "finish_reason": None}]},
+                 {"choices": [{"text": "a", "finish_reason": None}]},
                  {"choices": [{"text": "", "finish_reason": "length"}]}, {"choices": [], "usage": usage}])
     assert len(res.chunk_times) == 3 and len(res.itl) == 2 and res.tpot is not None
 
