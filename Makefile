@@ -44,3 +44,17 @@ serve: $(STAMP)
 # 6-7.5 minutes on one H200; Ray from the offline bundle for the served measurement).
 bench:
 	python3 -m benchmarks.roofline $(ARGS)
+
+# On the GPU host, like bench: issue 23's rows under real traffic for one family, from one cold start of
+# a served full-size shape (about 4-5 minutes on one H200). FAMILY=nemotron-ld|diffusion-gemma; TREE=path
+# serves another checkout (before/after with the same client); ARGS= more flags (--help lists them).
+.PHONY: traffic soak-gpu
+traffic:
+	$(if $(FAMILY),,$(error FAMILY=nemotron-ld or FAMILY=diffusion-gemma is required))
+	python3 -m benchmarks.traffic --family $(FAMILY) $(if $(TREE),--server-tree $(TREE)) $(ARGS)
+
+# On the GPU host: mixed traffic with streams, drafts, disconnects and one 256-way burst against each
+# family's served full-size shape in turn (FAMILY= one only), DLLM_SOAK_S seconds each (default 240:
+# one family fits one 10-minute GPU call with its start); 0 errors but the burst's 429s, memory flat.
+soak-gpu:
+	python3 scripts/soak_gpu.py $(if $(FAMILY),--family $(FAMILY)) $(if $(TREE),--server-tree $(TREE)) $(ARGS)

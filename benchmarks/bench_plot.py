@@ -80,8 +80,11 @@ def plot_sweep(result: dict, path: Path) -> None:
     fig.text(0.012, 1 - 0.2 * inch, f"Serving benchmark  ·  {result['model']}", ha="left", va="top", fontsize=15,
              fontweight="bold")
     eos = ", ignore_eos" if args["ignore_eos"] else ""
-    lines = [f"{n} prompts per level  ·  {args['random_input_len']} input / {args['random_output_len']} output "
-             f"tokens{eos}  ·  {_arrivals(args['request_rate'])}  ·  {result['base_url']}  ·  {date}"]
+    # results saved before "lengths" existed had one length for every request
+    lengths = result.get("lengths") or f"{args['random_input_len']} input / {args['random_output_len']} output tokens"
+    mix = f" (mix {args['mix']})" if args.get("mix") else ""
+    lines = [f"{n} prompts per level  ·  {lengths}{eos}{mix}  ·  {_arrivals(args['request_rate'])}  ·  "
+             f"{result['base_url']}  ·  {date}"]
     diffusion = _diffusion_line(runs)
     if diffusion:
         lines.append(diffusion)

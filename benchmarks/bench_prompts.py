@@ -1,4 +1,4 @@
-"""Random prompts of a fixed token length for `serve_bench`.
+"""Random prompts of given token lengths (one for all, or one per prompt) for `serve_bench`.
 
 With a tokenizer (the model's, loaded offline) a prompt is text whose re-tokenization has exactly the
 asked-for number of tokens, so it works against any OpenAI-compatible server. Without one, a prompt
@@ -35,27 +35,43 @@ def load_tokenizer(name: str | None):
         return None
 
 
-def text_prompts(tokenizer, n: int, length: int, rng: np.random.Generator) -> Prompts:
+def text_prompts(tokenizer, n: int, length: int | list[int], rng: np.random.Generator) -> Prompts:
     """Random tokens decoded to text, re-tokenized and corrected until the text has exactly `length`
-    tokens (merges across token boundaries shorten it: more tokens are appended; a longer one is cut)."""
+    tokens (merges across token boundaries shorten it: more tokens are appended; a longer one is cut).
+    `length` is one for all, or one per prompt."""
     pool = _round_trip_tokens(tokenizer)
+    wanted = _lengths(n, length)
     prompts, lens = [], []
-    for _ in range(n):
-        ids = rng.choice(pool, length).tolist()
+    for k in wanted:
+        ids = rng.choice(pool, k).tolist()
         for _attempt in range(20):
             text = tokenizer.decode(ids)
             ids = tokenizer.encode(text, add_special_tokens=False)
-            if len(ids) == length:
+            if len(ids) == k:
                 break
-            ids = ids[:length] if len(ids) > length else ids + rng.choice(pool, length - len(ids)).tolist()
+            ids = ids[:k] if len(ids) > k else ids + rng.choice(pool, k - len(ids)).tolist()
         else:
             text = tokenizer.decode(ids)  # the last correction, unchecked: its length is measured below
         prompts.append(text)
         lens.append(len(tokenizer.encode(text, add_special_tokens=False)))
-    exact = all(x == length for x in lens)
-    note = f"exactly {length}" if exact else f"{min(lens)}..{max(lens)} (asked {length})"
+    exact = lens == wanted
+    note = f"exactly {_span(wanted)}" if exact else f"{_span(lens)} (asked {_span(wanted)})"
     return Prompts(prompts, lens, f"text, {note} tokens each by the tokenizer `{tokenizer.name_or_path}` "
                                   "(the server may add special tokens)")
+
+
+def _lengths(n: int, length: int | list[int]) -> list[int]:
+    if isinstance(length, int):
+        return [length] * n
+    if len(length) != n:
+        raise ValueError(f"{len(length)} lengths for {n} prompts")
+    return list(length)
+
+
+def _span(lens: list[int]) -> str:
+    """"16" when every length is 16, else "16..300"."""
+    lo, hi = min(lens), max(lens)
+    return str(lo) if lo == hi else f"{lo}..{hi}"
 
 
 def _round_trip_tokens(tokenizer) -> np.ndarray:
@@ -71,7 +87,11 @@ def _round_trip_tokens(tokenizer) -> np.ndarray:
     return np.array(pool)
 
 
-def token_id_prompts(n: int, length: int, vocab: int, rng: np.random.Generator) -> Prompts:
-    ids = rng.integers(0, vocab, size=(n, length)).tolist()
-    return Prompts(ids, [length] * n, f"token ids, {length} each, uniform over [0, {vocab}) "
-                                      "(no tokenizer: pass --tokenizer for text prompts)")
+def token_id_prompts(n: int, length: int | list[int], vocab: int, rng: np.random.Generator) -> Prompts:
+    wanted = _lengths(n, length)
+    if isinstance(length, int):  # one draw of the whole matrix: the prompts a fixed length always gave
+        ids = rng.integers(0, vocab, size=(n, length)).tolist()
+    else:
+        ids = [rng.integers(0, vocab, size=k).tolist() for k in wanted]
+    return Prompts(ids, wanted, f"token ids, {_span(wanted)} each, uniform over [0, {vocab}) "
+                                "(no tokenizer: pass --tokenizer for text prompts)")

@@ -1,7 +1,9 @@
 """What one benchmark run measured, and the report `serve_bench` prints (the sections of `vllm bench serve`).
 
 Definitions (all times from the client's clock, per request, from sending the request):
-  TTFT   time to the first streamed chunk that carries output.
+  TTFT   time to the first streamed chunk that carries output: a chunk with choices, also when its
+         text is "" (tokens that decode to no text, such as special tokens, still arrived), as vLLM's
+         benchmark counts.
   ITL    inter-token latency, per *chunk*: the gap between consecutive chunks that carry output. A
          diffusion server streams one chunk per committed canvas (a whole block of tokens), so an ITL
          here is the time between blocks, not between tokens.
@@ -34,7 +36,7 @@ class RequestResult:
     error: str = ""
     input_tokens: int = 0               # the server's usage.prompt_tokens, else what we meant to send
     output_tokens: int | None = None    # usage.completion_tokens, else our tokenizer's count, else None
-    chunk_times: list[float] = field(default_factory=list)   # arrival of each chunk that carries output
+    chunk_times: list[float] = field(default_factory=list)   # arrival of each chunk with choices
     latency: float = 0.0                # end of the stream
     usage: dict | None = None           # the final usage object, if the server sent one
 

@@ -16,8 +16,13 @@ from ONE run on one GPU, dummy weights in bf16.
       its P1: the median of 5 requests over the default's median)
 plus torch.profiler's top kernels of a step of each family (DiffusionGemma's with and without
 self-conditioning, and the kernels whose time differs between the two: what SC's extra time is).
+  T   speed under real traffic, per family, from benchmarks/traffic.py (a served full-size shape as a
+      subprocess, from its cold start): mixed / homogeneous committed tok/s at concurrency 8, p99 /
+      median request latency under the mix, graphs captured after ready, GPU memory after the mixed
+      phase minus after warm-up, the seed workload's tok/s at concurrency 1, 2, 4, 8 (about 4-5
+      minutes per family; its JSON and server log beside --out)
 
-    python3 -m benchmarks.roofline [--out result.json] [--skip served,transformers,profile,invariant]
+    python3 -m benchmarks.roofline [--out result.json] [--skip served,transformers,profile,invariant,traffic]
 """
 from __future__ import annotations
 
@@ -312,11 +317,26 @@ def runner_of(model_dir: Path, num_slots: int, max_model_len: int, batch_invaria
                                                   batch_invariant=batch_invariant))
 
 
+def measure_traffic(work: Path, out: Path, family: str) -> dict:
+    """benchmarks/traffic.py's measurement of one family with its default counts; a server that did not
+    start is recorded as the error (the next family still runs)."""
+    from benchmarks import traffic as measurement
+    from benchmarks.server_process import ServerError
+
+    opts = measurement.parse_args(["--family", family, "--work", str(work),
+                                   "--out", str(out.with_name(f"traffic-{family}.json"))])
+    try:
+        return measurement.measure(opts)
+    except ServerError as err:
+        return {"family": family, "error": str(err), "server_log": str(opts.log)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "roofline.json")
     parser.add_argument("--work", type=Path, default=Path("/tmp/dllm-bench"))
-    parser.add_argument("--skip", default="", help="comma list of: served, transformers, profile, nemotron, gemma")
+    parser.add_argument("--skip", default="", help="comma list of: served, transformers, profile, invariant, "
+                                                   "traffic, nemotron, gemma (a family's traffic too)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -329,6 +349,14 @@ def main() -> None:
                 fn(args.work, bandwidth, result, skip)
             finally:  # what was measured is kept when a later part fails
                 result[f"{name}_bench_s"] = time.perf_counter() - t
+                args.out.write_text(json.dumps(result, indent=2, default=str))
+    for name, family in (("nemotron", "nemotron-ld"), ("gemma", "diffusion-gemma")):
+        if "traffic" not in skip and name not in skip:
+            t = time.perf_counter()
+            try:
+                result.setdefault("traffic", {})[family] = measure_traffic(args.work, args.out, family)
+            finally:
+                result[f"traffic_{name}_s"] = time.perf_counter() - t
                 args.out.write_text(json.dumps(result, indent=2, default=str))
     print(json.dumps(result, indent=2, default=str))
     print(summary(result))
@@ -346,8 +374,14 @@ def summary(r: dict) -> str:
             ("BI batch-invariant / default step time, 8B batch 1", (r.get("BI_nemotron") or {}).get(1), "cost"),
             ("BI batch-invariant / default step time, 8B batch 16", (r.get("BI_nemotron") or {}).get(16), "cost"),
             ("BI batch-invariant / default step time, 26B-A4B", r.get("BI_diffusion_gemma"), "cost")]
-    lines = [f"{'ratio':58} {'measured':>9}  target"]
-    lines += [f"{name:58} {value:9.3f}  {target}" if value is not None else f"{name:58} {'-':>9}  {target}"
+    for family, measured in (r.get("traffic") or {}).items():
+        from benchmarks.traffic import rows as traffic_rows
+
+        rows += [(f"T {family}: the server did not start", None, "its log")] if "error" in measured else \
+            [(f"T {family}: {name}", value, target) for name, value, target in traffic_rows(measured)]
+    width = max(58, *(len(name) for name, _, _ in rows))
+    lines = [f"{'ratio':{width}} {'measured':>9}  target"]
+    lines += [f"{name:{width}} {value:9.3f}  {target}" if value is not None else f"{name:{width}} {'-':>9}  {target}"
               for name, value, target in rows]
     return "\n".join(lines)
 

@@ -12,7 +12,12 @@ percentiles) and, when the server reports `usage.diffusion`, a Diffusion Decodin
 measured per streamed chunk, which on a diffusion server is one committed block; TPOT per token (the
 definitions are in benchmarks/bench_stats.py). `--save-result` writes every figure of every run with
 the arguments as JSON; `--plot` (default: beside the JSON) draws throughput and latency against
-concurrency. Needs the `bench` extra (`pip install -e '.[bench]'`).
+concurrency (skipped where matplotlib is missing). Needs the `bench` extra (`pip install -e '.[bench]'`).
+
+Every request has the same options unless `--mix` draws each request's prompt length, max_tokens and
+options from a distribution (benchmarks/request_mix.py): a built-in mix per family, or your own file.
+
+    python -m benchmarks.serve_bench --mix nemotron-ld --num-prompts 64 --max-concurrency 8 --ignore-eos
 """
 from __future__ import annotations
 
@@ -33,15 +38,25 @@ from tqdm import tqdm
 
 from benchmarks.bench_prompts import FALLBACK_VOCAB, Prompts, load_tokenizer, text_prompts, token_id_prompts
 from benchmarks.bench_stats import LATENCY_METRICS, RequestResult, format_report, format_sweep, summarize
+from benchmarks.request_mix import NAMES, Draw, MixError, load_mix
 
 DEFINITIONS = {
-    "ttft": "time from sending a request to its first streamed chunk with output",
-    "itl": "gap between consecutive streamed chunks with output (one chunk = one committed block on a "
+    "ttft": "time from sending a request to its first streamed chunk with choices (its text may be \"\": "
+            "tokens that decode to no text yet still arrived)",
+    "itl": "gap between consecutive streamed chunks with choices (one chunk = one committed block on a "
            "diffusion server)",
     "tpot": "(end-to-end latency - TTFT) / (output tokens - 1), per request",
     "e2el": "time from sending a request to the end of its stream",
     "committed_throughput": "committed tokens (usage.completion_tokens of requests with usage.diffusion) / duration",
 }
+MIX_HELP = ("draw each request's prompt length, max_tokens and options: a built-in mix (" + ", ".join(NAMES) +
+            ": issue 23's options for that family) or a JSON-lines file, one kind of request per line, e.g. "
+            '{"weight": 1, "prompt_len": {"uniform": [16, 300]}, "max_tokens": {"choice": [32, 128]}, '
+            '"temperature": {"choice": [0, 1]}, "diffusion.mode": "ar"}: weight (default 1) picks the line, '
+            "prompt_len and max_tokens are required, every other key is a request field (dotted for nested); "
+            "a value is a constant (null: left out), {\"choice\": [...]} or {\"uniform\": [lo, hi]} "
+            "(integers: inclusive). Draws follow --seed. Replaces --random-input-len, --random-output-len "
+            "and --temperature; `python -m benchmarks.request_mix NAME` prints a built-in one")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,8 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="token-id prompts (no tokenizer) draw ids from [0, this)")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (dllm-serve, vLLM)")
     p.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy, as vLLM's benchmark")
+    p.add_argument("--mix", metavar="NAME|FILE", help=MIX_HELP)
     p.add_argument("--extra-body", type=json.loads, default={},
-                   help='JSON merged into every request, e.g. \'{"diffusion": {"policy": "low_confidence"}}\'')
+                   help='JSON merged into every request (over --mix), e.g. '
+                        '\'{"diffusion": {"policy": "low_confidence"}}\'')
     p.add_argument("--max-concurrency", type=_concurrencies, default=[None],
                    help="requests in flight at most; a comma list (1,4,16) runs one benchmark per value")
     p.add_argument("--request-rate", type=float, default=math.inf,
@@ -75,6 +92,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, help="PNG of the sweep (default: the --save-result path with .png)")
     p.add_argument("--disable-tqdm", action="store_true")
     args = p.parse_args(argv)
+    if args.mix is not None:
+        try:
+            load_mix(args.mix)
+        except MixError as err:
+            p.error(f"--mix: {err}")
     if args.plot is None and args.save_result is not None:
         args.plot = args.save_result.with_suffix(".png")
     return args
@@ -103,7 +125,9 @@ def _metrics(text: str) -> list[str]:
 
 
 async def send(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int, tokenizer) -> RequestResult:
-    """One streamed completion, timed at every chunk that carries output."""
+    """One streamed completion, timed at every chunk with choices. dllm-serve sends one only with tokens
+    or the finish reason, and its text can be "" while it carries tokens (special tokens, a character
+    not complete yet): such a chunk counts as vLLM's benchmark counts it."""
     res = RequestResult(input_tokens=prompt_len)
     text = []
     start = time.perf_counter()
@@ -123,11 +147,10 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int,
                 if "error" in msg:
                     res.error = f"in stream: {msg['error'].get('message', msg['error'])}"
                     return res
-                for choice in msg.get("choices") or []:
-                    # A chunk with no text that only closes the stream (finish_reason) is not output.
-                    if choice.get("text") or choice.get("finish_reason") is None:
-                        res.chunk_times.append(now)
-                    text.append(choice.get("text") or "")
+                choices = msg.get("choices") or []
+                if choices:
+                    res.chunk_times.append(now)
+                text += [choice.get("text") or "" for choice in choices]
                 if msg.get("usage"):
                     res.usage = msg["usage"]
         res.latency = time.perf_counter() - start
@@ -142,20 +165,34 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int,
     return res
 
 
-def request_body(args: argparse.Namespace, model: str, prompt) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": args.random_output_len, "temperature": args.temperature,
-            "stream": True, "stream_options": {"include_usage": True}}
+def request_body(args: argparse.Namespace, model: str, prompt, draw: Draw | None = None) -> dict:
+    """A streamed completion: --random-output-len and --temperature, or the request's draw of --mix."""
+    if draw is None:
+        body = {"model": model, "prompt": prompt, "max_tokens": args.random_output_len,
+                "temperature": args.temperature}
+    else:
+        body = {"model": model, "prompt": prompt, "max_tokens": draw.max_tokens, **draw.options}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True
-    return body | args.extra_body
+    return merge(body, args.extra_body)
 
 
-async def run_level(client: httpx.AsyncClient, url: str, bodies: list[dict], prompts: Prompts, tokenizer,
-                    concurrency: int | None, args: argparse.Namespace) -> dict:
-    """One benchmark: every prompt once, at most `concurrency` in flight, arrivals at --request-rate."""
+def merge(body: dict, extra: dict) -> dict:
+    """`extra` over `body`, objects merged field by field (an --extra-body diffusion option keeps the mix's)."""
+    out = dict(body)
+    for key, value in extra.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+async def run_level(client: httpx.AsyncClient, url: str, bodies: list[dict], prompt_lens: list[int], tokenizer,
+                    concurrency: int | None, *, request_rate: float = math.inf, seed: int = 0,
+                    percentiles=(99.0,), progress: bool = True) -> dict:
+    """One benchmark: every body once, at most `concurrency` in flight, arrivals at `request_rate`."""
     gate = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
-    rng = np.random.default_rng(args.seed)
-    bar = tqdm(total=len(bodies), desc=f"concurrency {concurrency or 'none'}", disable=args.disable_tqdm,
+    rng = np.random.default_rng(seed)
+    bar = tqdm(total=len(bodies), desc=f"concurrency {concurrency or 'none'}", disable=not progress,
                file=sys.stderr)
 
     async def one(body: dict, prompt_len: int) -> RequestResult:
@@ -166,14 +203,14 @@ async def run_level(client: httpx.AsyncClient, url: str, bodies: list[dict], pro
 
     start = time.perf_counter()
     tasks = []
-    for body, n in zip(bodies, prompts.lens):
+    for body, n in zip(bodies, prompt_lens):
         tasks.append(asyncio.create_task(one(body, n)))
-        if math.isfinite(args.request_rate):
-            await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+        if math.isfinite(request_rate):
+            await asyncio.sleep(rng.exponential(1.0 / request_rate))
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
     bar.close()
-    return summarize(results, duration, concurrency, args.request_rate, args.metric_percentiles)
+    return summarize(results, duration, concurrency, request_rate, list(percentiles))
 
 
 async def served_model(client: httpx.AsyncClient, base: str) -> str:
@@ -189,11 +226,26 @@ async def served_model(client: httpx.AsyncClient, base: str) -> str:
 # ----------------------------------------------------------------------------------------------- main
 
 
-def make_prompts(args: argparse.Namespace, tokenizer) -> Prompts:
+def make_prompts(args: argparse.Namespace, tokenizer, lengths: list[int] | None = None) -> Prompts:
+    """--num-prompts prompts of --random-input-len tokens, or of `lengths` (one per prompt)."""
     rng = np.random.default_rng(args.seed)
+    length = args.random_input_len if lengths is None else lengths
     if tokenizer is not None:
-        return text_prompts(tokenizer, args.num_prompts, args.random_input_len, rng)
-    return token_id_prompts(args.num_prompts, args.random_input_len, args.random_vocab_size, rng)
+        return text_prompts(tokenizer, args.num_prompts, length, rng)
+    return token_id_prompts(args.num_prompts, length, args.random_vocab_size, rng)
+
+
+def draw_mix(args: argparse.Namespace) -> list[Draw] | None:
+    """Each request's draw of --mix (None without one), from its own stream of --seed: the prompts'
+    random tokens stay those of the same seed without a mix."""
+    if args.mix is None:
+        return None
+    return load_mix(args.mix).draw(args.num_prompts, np.random.default_rng([args.seed, 1]))
+
+
+def _span(values: list[int]) -> str:
+    lo, hi = min(values), max(values)
+    return str(lo) if lo == hi else f"{lo}..{hi}"
 
 
 async def bench(args: argparse.Namespace) -> dict:
@@ -207,10 +259,15 @@ async def bench(args: argparse.Namespace) -> dict:
         tokenizer = load_tokenizer(args.tokenizer or model)
         if tokenizer is None and args.tokenizer:  # asked for by name: falling back would hide a typo
             raise SystemExit(f"no tokenizer at {args.tokenizer} (loaded offline: a directory or a cached hub name)")
-        prompts = make_prompts(args, tokenizer)
-        bodies = [request_body(args, model, p) for p in prompts.prompts]
+        draws = draw_mix(args)
+        prompts = make_prompts(args, tokenizer, None if draws is None else [d.prompt_len for d in draws])
+        bodies = [request_body(args, model, p, None if draws is None else draws[i])
+                  for i, p in enumerate(prompts.prompts)]
+        max_tokens = _span([b["max_tokens"] for b in bodies])
+        lengths = f"{_span(prompts.lens)} input / {max_tokens} output tokens"
         print(f"Model: {model}\nPrompts: {args.num_prompts} x {prompts.source}\n"
-              f"Output: max_tokens={args.random_output_len}{', ignore_eos' if args.ignore_eos else ''}\n"
+              f"Output: max_tokens={max_tokens}{', ignore_eos' if args.ignore_eos else ''}\n"
+              + (f"Options: drawn per request from the {load_mix(args.mix).describe()}\n" if draws else "") +
               "ITL is per streamed chunk (on a diffusion server, one committed block); TPOT is per token.")
         check = await send(client, url, bodies[0], prompts.lens[0], tokenizer)  # fail fast; warms the server up
         if not check.ok:
@@ -220,26 +277,30 @@ async def bench(args: argparse.Namespace) -> dict:
         for concurrency in args.max_concurrency:
             print(f"\nTraffic request rate: {args.request_rate}\nMaximum request concurrency: {concurrency}",
                   flush=True)
-            summary = await run_level(client, url, bodies, prompts, tokenizer, concurrency, args)
+            summary = await run_level(client, url, bodies, prompts.lens, tokenizer, concurrency,
+                                      request_rate=args.request_rate, seed=args.seed,
+                                      percentiles=args.metric_percentiles, progress=not args.disable_tqdm)
             print(format_report(summary, args.metric_percentiles, args.percentile_metrics), flush=True)
             summaries.append(summary)
     if len(summaries) > 1:
         print("\n" + format_sweep(summaries, args.metric_percentiles[-1]))
     return {"date": datetime.now().astimezone().isoformat(timespec="seconds"), "base_url": base,
-            "endpoint": args.endpoint, "model": model, "prompts": prompts.source,
+            "endpoint": args.endpoint, "model": model, "prompts": prompts.source, "lengths": lengths,
+            "mix": None if draws is None else {"source": args.mix, "lines": load_mix(args.mix).lines,
+                                               "draws": [vars(d) for d in draws]},
             "tokenizer": None if tokenizer is None else tokenizer.name_or_path, "definitions": DEFINITIONS,
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "runs": summaries}
 
 
-def _finite(obj):
+def json_safe(obj):
     """JSON has no Infinity: an infinite request rate is written as the string "inf"."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return str(obj)
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {k: json_safe(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_finite(v) for v in obj]
+        return [json_safe(v) for v in obj]
     return obj
 
 
@@ -248,13 +309,16 @@ def main(argv: list[str] | None = None) -> dict:
     result = asyncio.run(bench(args))
     if args.save_result is not None:
         args.save_result.parent.mkdir(parents=True, exist_ok=True)
-        args.save_result.write_text(json.dumps(_finite(result), indent=1, allow_nan=False))
+        args.save_result.write_text(json.dumps(json_safe(result), indent=1, allow_nan=False))
         print(f"Results: {args.save_result}")
     if args.plot is not None:
-        from benchmarks.bench_plot import plot_sweep
-
-        plot_sweep(result, args.plot)
-        print(f"Plot: {args.plot}")
+        try:
+            from benchmarks.bench_plot import plot_sweep
+        except ImportError as err:  # the GPU host may have no matplotlib: the figures are in the JSON
+            print(f"No plot: {err}")
+        else:
+            plot_sweep(result, args.plot)
+            print(f"Plot: {args.plot}")
     return result
 
 

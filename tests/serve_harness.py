@@ -15,7 +15,8 @@ import httpx
 import ray
 from ray import serve
 
-ERROR_KEYS = {"message", "type", "param", "code"}
+# what a client checks, shared with the GPU soak: re-exported for the HTTP tests
+from benchmarks.http_checks import assert_openai_error, sse_payloads  # noqa: F401
 
 
 def free_port() -> int:
@@ -105,23 +106,6 @@ def slow_stream_body(model: str, max_tokens: int = 320, **extra) -> dict:
     """A greedy streamed completion that takes many denoising steps per 32-token block."""
     return {"model": model, "prompt": "slow", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "temperature": 0, "diffusion": {"policy": "low_confidence", "max_denoising_steps": 32}, **extra}
-
-
-def sse_payloads(lines) -> list[str]:
-    """The `data:` payloads of a server-sent event stream, in order."""
-    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
-
-
-def assert_openai_error(body: dict, status: int, param: str | None = None) -> dict:
-    """{"error": {"message", "type", "param", "code"}} with a message; `param` checked when given."""
-    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, body
-    error = body["error"]
-    assert isinstance(error["message"], str) and error["message"], body
-    if status == 400:
-        assert error["type"] == "invalid_request_error", body
-    if param is not None:
-        assert error["param"] == param, body
-    return error
 
 
 def assert_stream_ended_with_error(payloads: list[str]) -> dict:

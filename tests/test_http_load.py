@@ -8,9 +8,10 @@ import time
 import httpx
 import pytest
 
+from benchmarks.http_checks import abandon_stream, assert_refused, burst
 from deployments.app import build_app
-from tests.serve_harness import (assert_openai_error, completions_url, greedy_choice, health,
-                                 idle_and_healthy, serving, slow_stream_body, sse_payloads, stats, wait_until)
+from tests.serve_harness import (completions_url, greedy_choice, health, idle_and_healthy, serving, slow_stream_body,
+                                 stats, wait_until)
 
 APP, MODEL = "load", "tiny"
 NUM_SLOTS, MAX_QUEUE = 4, 4
@@ -52,26 +53,9 @@ def assert_unaffected(port: int, before: dict) -> None:
 
 # ---- overload ------------------------------------------------------------------------------------
 
-async def _one(http: httpx.AsyncClient, port: int, i: int) -> dict:
-    """Request i of a burst: every other one streamed; returns what a client would see."""
-    body = slow_stream_body(MODEL, 96, stream=i % 2 == 0)
-    t0 = time.monotonic()
-    async with http.stream("POST", url(port), json=body) as r:
-        raw = [line async for line in r.aiter_lines()]
-    out = {"status": r.status_code, "retry_after": r.headers.get("retry-after"), "s": time.monotonic() - t0,
-           "stream": body["stream"]}
-    if r.status_code == 200 and body["stream"]:
-        out["payloads"] = sse_payloads(raw)
-    else:
-        out["body"] = json.loads("".join(raw))
-    return out
-
-
 async def _burst(port: int, n: int) -> list[dict]:
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=REQUEST_BOUND_S, limits=limits) as http:
-        return await asyncio.wait_for(asyncio.gather(*[_one(http, port, i) for i in range(n)]),
-                                      REQUEST_BOUND_S + 30)
+    """n requests at once: every other one streamed."""
+    return await burst(url(port), [slow_stream_body(MODEL, 96, stream=i % 2 == 0) for i in range(n)], REQUEST_BOUND_S)
 
 
 def check_burst(results: list[dict]) -> dict:
@@ -79,8 +63,8 @@ def check_burst(results: list[dict]) -> dict:
     assert set(codes) <= {200, 429, 503}, codes
     for r in results:
         if r["status"] != 200:
-            error = assert_openai_error(r["body"], r["status"])
-            assert r["retry_after"] == "1" and error["type"] in ("rate_limit_exceeded", "service_unavailable")
+            error = assert_refused(r)
+            assert error["type"] in ("rate_limit_exceeded", "service_unavailable")
         elif r["stream"]:
             assert r["payloads"][-1] == "[DONE]" and not any('"error"' in p for p in r["payloads"]), r
             chunks = [json.loads(p) for p in r["payloads"][:-1]]
@@ -104,19 +88,6 @@ def test_burst_beyond_the_queue_is_answered_never_dropped(server, before, n):
 
 # ---- disconnects ---------------------------------------------------------------------------------
 
-async def _abandon_stream(http: httpx.AsyncClient, port: int, blocks: int) -> int:
-    """Streams a slow completion and hangs up after `blocks` blocks; the number of blocks seen."""
-    seen = 0
-    async with http.stream("POST", url(port), json=slow_stream_body(MODEL, 320)) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                seen += 1
-                if seen == blocks:
-                    break
-    return seen
-
-
 async def _abandon_whole(port: int) -> bool:
     """A non-streamed slow completion whose client gives up after 0.5 s; True if it did give up."""
     async with httpx.AsyncClient(timeout=0.5) as http:
@@ -132,7 +103,7 @@ async def _disconnects(port: int, streams: int, wholes: int) -> tuple[list[int],
 
     async def stream(i):
         async with gate:
-            return await _abandon_stream(http, port, 1 + i % 3)
+            return await abandon_stream(http, url(port), slow_stream_body(MODEL, 320), 1 + i % 3)
 
     async def whole():
         async with gate:

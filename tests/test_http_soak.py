@@ -12,9 +12,10 @@ import time
 import httpx
 import pytest
 
+from benchmarks.http_checks import check_answer
 from deployments.app import build_app
 from model.tiny import write_diffusion_gemma
-from tests.serve_harness import app_processes, idle_and_healthy, rss_mib, serving, sse_payloads, stats, wait_until
+from tests.serve_harness import app_processes, idle_and_healthy, rss_mib, serving, stats, wait_until
 
 pytestmark = pytest.mark.reliability
 
@@ -64,30 +65,6 @@ def server(tiny_nemotron, tmp_path_factory):
         yield port
 
 
-def check(path: str, body: dict, r: httpx.Response) -> int:
-    """A whole, well-formed answer; its completion tokens."""
-    assert r.status_code == 200, r.text[:300]
-    stopped = bool(body.get("stop"))
-    length = body.get("max_completion_tokens") or body.get("max_tokens")
-    if body.get("stream"):
-        payloads = sse_payloads(r.text.splitlines())
-        assert payloads[-1] == "[DONE]" and not any(p.startswith('{"error"') for p in payloads), payloads[-2:]
-        chunks = [httpx.Response(200, content=p).json() for p in payloads[:-1]]
-        finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
-        assert finishes and finishes[-1] in ("length", "stop") and not any(finishes[:-1])
-        usage = [c["usage"] for c in chunks if c.get("usage")]
-        assert len(usage) == 1 and (stopped or usage[0]["completion_tokens"] == length), usage
-        return usage[0]["completion_tokens"]
-    answer = r.json()
-    choice, tokens = answer["choices"][0], answer["usage"]["completion_tokens"]
-    assert choice["finish_reason"] in ("length", "stop")
-    assert stopped or tokens == length
-    if body.get("logprobs"):
-        scored = choice["logprobs"]["content"] if path == CHAT else choice["logprobs"]["token_logprobs"]
-        assert len(scored) == tokens and all((t["logprob"] if path == CHAT else t) <= 0 for t in scored)
-    return tokens
-
-
 def client(port: int, app: str, index: int, deadline: float, tally: dict, errors: list) -> None:
     rng = random.Random(index)
     mixes = MIXES[app]
@@ -98,7 +75,8 @@ def client(port: int, app: str, index: int, deadline: float, tally: dict, errors
             if body.get("stream"):  # the usage chunk counts a stream's tokens
                 body["stream_options"] = {"include_usage": True}
             try:
-                tokens = check(path, body, http.post(f"http://127.0.0.1:{port}/{app}{path}", json=body))
+                r = http.post(f"http://127.0.0.1:{port}/{app}{path}", json=body)
+                tokens = check_answer(path, body, r.status_code, r.text)
             except Exception as err:  # reported by the test, with the request that failed
                 errors.append(f"{path} {body}: {type(err).__name__}: {err}")
                 return

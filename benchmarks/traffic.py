@@ -1,0 +1,341 @@
+"""Speed under real traffic (issue 23), measured from the client, from ONE cold start of the server.
+
+    python -m benchmarks.traffic --family nemotron-ld|diffusion-gemma [--server-tree PATH] [--out FILE]
+
+Writes the family's full-size shapes (benchmarks/shapes.py) under --work and starts
+`scripts/serve_local.py model=DIR load_format=dummy max_num_seqs=8 port=P` of --server-tree (default:
+this checkout; an older checkout measures "before" with the same client) as a subprocess, its output
+logged with timestamps. Then, in order:
+
+  cold start   seconds to the first GET /health 200 (and to its first 503, which a server warming up
+               answers), to serve_local's ready line, to the first successful completion
+  warm-up      --warmup-requests with the mix's prompt lengths and max_tokens, no other option
+  homogeneous  --requests with the mix's prompt lengths and max_tokens, no other option
+  mixed        the same prompts and max_tokens with the mix's options (--mix; default: the family's
+               built-in, benchmarks/request_mix.py)
+  seed         the family's seed workload: one request alone (its warm-up, reported apart), then at
+               each of --seed-levels, --seed-rounds x level requests
+all at --concurrency but the seed workload, every request streamed with ignore_eos (a phase commits
+the tokens it asks for). GPU memory (nvidia-smi; None without one) is read after the first completion
+and after each phase; /metrics' CUDA-graph series (`dllm_eager_steps_total`, `dllm_graph_captures_total`,
+`dllm_cuda_graphs`, `dllm_cuda_graph_memory_bytes`; None on a server without them) before and after
+each phase. The rows of issue 23, printed as a table and saved with every figure as JSON:
+
+  mixed / homogeneous committed tok/s             target >= 0.9
+  p99 / median request latency under the mix      target <= 2
+  graphs captured after ready                     target 0 (dllm_graph_captures_total at the end)
+  GPU memory after the mixed phase - after warm-up   target about 0
+  seed workload tok/s per concurrency, and its ratio to concurrency 1
+
+Committed tok/s is a phase's usage.completion_tokens over its duration, of every request (a diffusion
+server emits only committed tokens; bench_stats' committed_throughput counts only the requests that
+report usage.diffusion, which an AR request need not). The seed workloads: DiffusionGemma's is issue 23's, 1024-token prompts, 1024
+new tokens, 16 forced denoising steps (max_denoising_steps 16, confidence_threshold 0), entropy bound
+0.1; Nemotron-LD's is its analogue defined here, 1024-token prompts and 1024 new tokens with the
+server's default diffusion options. The default counts fit one family in about 4-5 minutes on an H200.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from benchmarks.bench_prompts import FALLBACK_VOCAB, token_id_prompts
+from benchmarks.request_mix import NAMES, Draw, MixError, load_mix
+from benchmarks.serve_bench import json_safe, request_body, run_level
+from benchmarks.server_process import (GRAPH_METRICS, REPO, ServerError, ServerProcess, gpu_memory_mib,
+                                       scrape_metrics, tree_commit)
+
+FAMILIES = {"nemotron-ld": "nemotron-ld-8b", "diffusion-gemma": "diffusion-gemma-26b-a4b"}   # -> shapes dir
+SEED_OPTIONS = {
+    "nemotron-ld": {},
+    "diffusion-gemma": {"diffusion": {"max_denoising_steps": 16, "confidence_threshold": 0, "entropy_bound": 0.1}},
+}
+PERCENTILES = [50.0, 99.0]
+STREAMED = argparse.Namespace(ignore_eos=True, extra_body={})   # serve_bench.request_body's settings
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.traffic", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", required=True, choices=list(FAMILIES))
+    p.add_argument("--server-tree", type=Path, default=REPO,
+                   help="the dllm-serve checkout whose scripts/serve_local.py is started (default: this one)")
+    p.add_argument("--model", help="a checkpoint directory instead of the family's full-size shapes")
+    p.add_argument("--work", type=Path, default=Path("/tmp/dllm-traffic"), help="where the shapes are written")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--server-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="another serve_local argument (repeatable), e.g. max_steps_per_command=16")
+    p.add_argument("--port", type=int, default=0, help="default: a free one")
+    p.add_argument("--mix", help=f"a built-in mix ({', '.join(NAMES)}) or a JSON-lines file (python -m "
+                                 "benchmarks.serve_bench --help says what a line is); default: --family's")
+    p.add_argument("--seed", type=int, default=0, help="draws of the mix and the prompts")
+    p.add_argument("--concurrency", type=int, default=8, help="of the warm-up, homogeneous and mixed phases")
+    p.add_argument("--requests", type=int, default=32, help="of the homogeneous and of the mixed phase")
+    p.add_argument("--warmup-requests", type=int, default=8)
+    p.add_argument("--seed-levels", type=_ints, default=[1, 2, 4, 8], help="comma list of concurrencies")
+    p.add_argument("--seed-rounds", type=int, default=2, help="requests per level = rounds x concurrency")
+    p.add_argument("--seed-prompt-len", type=int, default=1024)
+    p.add_argument("--seed-max-tokens", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=FALLBACK_VOCAB, help="prompt token ids are drawn from [0, this)")
+    p.add_argument("--start-timeout", type=float, default=900.0,
+                   help="seconds from the start to the first successful completion")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--phase-timeout", type=float, default=900.0, help="seconds per phase (its requests are "
+                                                                      "then abandoned and the next one runs)")
+    p.add_argument("--out", type=Path, help="the JSON (default: $OUT or . / traffic-FAMILY.json)")
+    p.add_argument("--log", type=Path, help="the server's log (default: beside --out, -server.log)")
+    p.add_argument("--progress", action="store_true", help="progress bars on stderr")
+    opts = p.parse_args(argv)
+    opts.mix = opts.mix or opts.family
+    try:
+        load_mix(opts.mix)
+    except MixError as err:
+        p.error(f"--mix: {err}")
+    if opts.out is None:
+        opts.out = Path(os.environ.get("OUT", ".")) / f"traffic-{opts.family}.json"
+    if opts.log is None:
+        opts.log = opts.out.with_name(opts.out.stem + "-server.log")
+    return opts
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",")]
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"concurrencies must be >= 1: {text}")
+    return values
+
+
+# ---- what is sent ------------------------------------------------------------------------------------
+
+def write_model(family: str, work: Path) -> Path:
+    from benchmarks.shapes import write_diffusion_gemma_shapes, write_shapes   # transformers, torch: only here
+
+    out = work / FAMILIES[family]
+    return write_shapes(out) if family == "nemotron-ld" else write_diffusion_gemma_shapes(out)
+
+
+def server_args(opts: argparse.Namespace) -> list[str]:
+    return [f"load_format={opts.load_format}", f"max_num_seqs={opts.max_num_seqs}", *opts.server_arg]
+
+
+def token_prompts(lens: list[int], vocab: int, seed) -> list[list[int]]:
+    return token_id_prompts(len(lens), lens, vocab, np.random.default_rng(seed)).prompts
+
+
+def plan(opts: argparse.Namespace, model: str) -> dict[str, list[dict]]:
+    """Every phase's request bodies, drawn from --seed alone (so before and after send the same)."""
+    mix = load_mix(opts.mix)
+    draws = mix.draw(opts.requests, np.random.default_rng([opts.seed, 1]))
+    warm = mix.draw(opts.warmup_requests, np.random.default_rng([opts.seed, 2]))
+    prompts = token_prompts([d.prompt_len for d in draws], opts.vocab, [opts.seed, 3])
+    warm_prompts = token_prompts([d.prompt_len for d in warm], opts.vocab, [opts.seed, 4])
+    seed_n = 1 + sum(c * opts.seed_rounds for c in opts.seed_levels)
+    seed_prompts = token_prompts([opts.seed_prompt_len] * seed_n, opts.vocab, [opts.seed, 5])
+    seed_draw = Draw(opts.seed_prompt_len, opts.seed_max_tokens, SEED_OPTIONS[opts.family])
+
+    def plain(d: Draw) -> Draw:
+        return Draw(d.prompt_len, d.max_tokens, {})
+
+    return {"warmup": [request_body(STREAMED, model, p, plain(d)) for p, d in zip(warm_prompts, warm)],
+            "homogeneous": [request_body(STREAMED, model, p, plain(d)) for p, d in zip(prompts, draws)],
+            "mixed": [request_body(STREAMED, model, p, d) for p, d in zip(prompts, draws)],
+            "seed": [request_body(STREAMED, model, p, seed_draw) for p in seed_prompts]}
+
+
+# ---- the measurement ---------------------------------------------------------------------------------
+
+def measure(opts: argparse.Namespace) -> dict:
+    """One server start, every phase; the result (also written to --out, after each phase too). The
+    server is stopped at the end, also on an error or KeyboardInterrupt."""
+    model = Path(opts.model) if opts.model else write_model(opts.family, opts.work)
+    server = ServerProcess(opts.server_tree, str(model), server_args(opts), opts.log, opts.port)
+    result = {"family": opts.family, "date": datetime.now().astimezone().isoformat(timespec="seconds"),
+              "server_tree": str(server.tree), "server_commit": tree_commit(server.tree),
+              "server_command": server.command, "server_log": str(opts.log), "mix": opts.mix,
+              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(opts).items()},
+              "cold_start": None, "phases": {}, "seed": {}, "rows": None}
+    try:
+        server.start()
+        result["server_pid"] = server.proc.pid
+        asyncio.run(_phases(opts, server, result))
+    finally:
+        result["server_exit_status"] = server.stop()
+        result["rows"] = derive(result, opts.seed_levels)
+        save(result, opts.out)
+    return result
+
+
+async def _phases(opts: argparse.Namespace, server: ServerProcess, result: dict) -> None:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=opts.request_timeout, limits=limits) as http:
+        first = {"prompt": [1] * 16, "max_tokens": 16, "ignore_eos": True}
+        result["cold_start"] = await server.wait_ready(http, opts.start_timeout, first)
+        model = result["model"] = result["cold_start"]["model"]
+        result["cold_start"]["gpu_memory_mib"] = await asyncio.to_thread(gpu_memory_mib)
+        print(f"{opts.family}: /health 200 at {result['cold_start']['health_200_s']:.1f} s, first completion at "
+              f"{result['cold_start']['first_completion_s']:.1f} s", flush=True)
+        save(result, opts.out)
+        bodies = plan(opts, model)
+        url = server.base + "/v1/completions"
+        for name in ("warmup", "homogeneous", "mixed"):
+            result["phases"][name] = await run_phase(http, server, url, name, bodies[name], opts.concurrency, opts)
+            save(result, opts.out)
+        seed = bodies["seed"]
+        result["seed"]["warmup"] = await run_phase(http, server, url, "seed warm-up", seed[:1], 1, opts)
+        taken = 1
+        for level in opts.seed_levels:
+            n = level * opts.seed_rounds
+            result["seed"][str(level)] = await run_phase(http, server, url, f"seed at concurrency {level}",
+                                                         seed[taken:taken + n], level, opts)
+            taken += n
+            save(result, opts.out)
+
+
+async def run_phase(http: httpx.AsyncClient, server: ServerProcess, url: str, name: str, bodies: list[dict],
+                    concurrency: int, opts: argparse.Namespace) -> dict:
+    """The bodies at `concurrency`, bounded by --phase-timeout; its summary (serve_bench's), the
+    CUDA-graph series before and after, and the GPU memory after."""
+    before = await scrape_metrics(http, server.base)
+    t = time.monotonic()
+    summary, error = None, None
+    try:
+        summary = await asyncio.wait_for(
+            run_level(http, url, bodies, [len(b["prompt"]) for b in bodies], None, concurrency, seed=opts.seed,
+                      percentiles=PERCENTILES, progress=opts.progress), opts.phase_timeout)
+    except asyncio.TimeoutError:
+        error = f"timed out after {opts.phase_timeout:.0f} s"
+    after = await scrape_metrics(http, server.base)
+    memory = await asyncio.to_thread(gpu_memory_mib)
+    out = {"concurrency": concurrency, "requests": len(bodies), "wall_s": time.monotonic() - t, "error": error,
+           "memory_after_mib": memory, "metrics_before": before, "metrics_after": after,
+           "metrics_delta": {k: None if before[k] is None or after[k] is None else after[k] - before[k]
+                             for k in GRAPH_METRICS},
+           "summary": summary}
+    if summary is None:
+        print(f"  {name}: {error}", flush=True)
+    else:
+        errors = sorted({e for e in summary["errors"] if e})
+        captures = out["metrics_delta"]["dllm_graph_captures_total"]
+        print(f"  {name}: {summary['completed']}/{len(bodies)} ok in {summary['duration']:.1f} s, "
+              f"{summary['output_throughput']:.0f} tok/s, latency median {summary['median_e2el_ms'] / 1e3:.2f} s "
+              f"p99 {summary['p99_e2el_ms'] / 1e3:.2f} s, graphs captured +{_fmt(captures)}, GPU memory "
+              f"{_fmt(memory)} MiB" + (f"; errors: {errors[:3]}" if errors else ""), flush=True)
+    return out
+
+
+# ---- the rows ----------------------------------------------------------------------------------------
+
+def _tok_s(phase: dict | None) -> float | None:
+    """Committed tok/s: usage.completion_tokens of the phase's requests over its duration."""
+    s = (phase or {}).get("summary")
+    return s["output_throughput"] if s and s["completed"] else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def derive(result: dict, levels: list[int]) -> dict:
+    """Issue 23's rows from the phases measured so far (None where a phase is missing)."""
+    phases, seed = result["phases"], result["seed"]
+    mixed = (phases.get("mixed") or {}).get("summary")
+    last = None   # the latest scrape of the CUDA-graph series
+    for rec in [*phases.values(), *seed.values()]:
+        last = rec["metrics_after"]
+    memory = {name: rec["memory_after_mib"] for name, rec in phases.items()}
+    seed_tok_s = {str(c): _tok_s(seed.get(str(c))) for c in levels}
+    failed = sum(rec["summary"]["failed"] if rec["summary"] else rec["requests"]
+                 for rec in [*phases.values(), *seed.values()])
+    return {
+        "homogeneous_tok_s": _tok_s(phases.get("homogeneous")),
+        "mixed_tok_s": _tok_s(phases.get("mixed")),
+        "mixed_over_homogeneous": _ratio(_tok_s(phases.get("mixed")), _tok_s(phases.get("homogeneous"))),
+        "mixed_latency_median_s": mixed["median_e2el_ms"] / 1e3 if mixed and mixed["completed"] else None,
+        "mixed_latency_p99_s": mixed["p99_e2el_ms"] / 1e3 if mixed and mixed["completed"] else None,
+        "mixed_p99_over_median": _ratio(mixed["p99_e2el_ms"], mixed["median_e2el_ms"]) if mixed else None,
+        "graph_captures_after_ready": None if last is None else last["dllm_graph_captures_total"],
+        "eager_steps_while_serving": None if last is None else last["dllm_eager_steps_total"],
+        "cuda_graphs": None if last is None else last["dllm_cuda_graphs"],
+        "cuda_graph_memory_mib": None if last is None or last["dllm_cuda_graph_memory_bytes"] is None
+        else last["dllm_cuda_graph_memory_bytes"] / 2**20,
+        "gpu_memory_after_warmup_mib": memory.get("warmup"),
+        "gpu_memory_after_mixed_mib": memory.get("mixed"),
+        "gpu_memory_mixed_minus_warmup_mib": None if memory.get("mixed") is None or memory.get("warmup") is None
+        else memory["mixed"] - memory["warmup"],
+        "failed_requests": failed,
+        "seed_tok_s": seed_tok_s,
+        "seed_over_concurrency_1": {c: _ratio(v, seed_tok_s.get("1")) for c, v in seed_tok_s.items()},
+    }
+
+
+def rows(result: dict) -> list[tuple[str, float | None, str]]:
+    """(name, value, target) of the table; roofline prints the same rows."""
+    r, cold = result["rows"] or {}, result["cold_start"] or {}
+    out = [("cold start: seconds to GET /health 200", cold.get("health_200_s"), ""),
+           ("cold start: seconds to the first completion", cold.get("first_completion_s"), ""),
+           ("homogeneous committed tok/s", r.get("homogeneous_tok_s"), ""),
+           ("mixed committed tok/s", r.get("mixed_tok_s"), ""),
+           ("mixed / homogeneous committed tok/s", r.get("mixed_over_homogeneous"), ">= 0.9"),
+           ("p99 / median request latency under the mix", r.get("mixed_p99_over_median"), "<= 2"),
+           ("graphs captured after ready", r.get("graph_captures_after_ready"), "0"),
+           ("eager steps while serving", r.get("eager_steps_while_serving"), ""),
+           ("GPU MiB after mixed - after warm-up", r.get("gpu_memory_mixed_minus_warmup_mib"), "about 0"),
+           ("failed requests", r.get("failed_requests"), "0")]
+    for c, tok_s in (r.get("seed_tok_s") or {}).items():
+        out.append((f"seed workload tok/s at concurrency {c}", tok_s, ""))
+        if c != "1":
+            out.append((f"seed workload tok/s at concurrency {c} / at 1", r["seed_over_concurrency_1"][c], ""))
+    return out
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if isinstance(value, float) and not float(value).is_integer() else f"{value:.0f}"
+
+
+def format_table(result: dict) -> str:
+    head = f"traffic {result['family']}: {result['server_tree']} @ {result['server_commit'] or '?'}"
+    lines = [head, f"{'':52} {'measured':>10}  target"]
+    lines += [f"{name:52} {_fmt(value):>10}  {target}" for name, value, target in rows(result)]
+    return "\n".join(lines)
+
+
+def save(result: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(json_safe(result), indent=1, allow_nan=False, default=str))
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt   # the server is stopped on the way out
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        result = measure(opts)
+    except KeyboardInterrupt:
+        print(f"interrupted: the server is stopped; what was measured is in {opts.out}", file=sys.stderr)
+        return 130
+    except ServerError as err:
+        print(f"the server did not start: {err}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    print(f"Results: {opts.out}\nServer log: {opts.log}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""benchmarks/traffic.py, the client side of issue 23's measurement: its launcher and phases end to end
+against the tiny model served by scripts/serve_local.py on CPU, the rows it derives, the /metrics it
+reads, a server that cannot start, and roofline's table of its rows; and the GPU soak script against
+the tiny model (reliability)."""
+import asyncio
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from benchmarks import roofline, traffic
+from benchmarks.server_process import GRAPH_METRICS, READY_LINE, ServerError, ServerProcess, parse_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+MIX = ('{"prompt_len": {"uniform": [4, 24]}, "max_tokens": {"choice": [8, 40]}, "temperature": {"choice": [0, 0.7]}, '
+       '"top_k": {"choice": [0, 5, {"uniform": [1, 499]}]}, "logprobs": {"choice": [null, 2]}, '
+       '"diffusion.mode": {"choice": ["diffusion", "ar"]}}\n'
+       '{"prompt_len": 12, "max_tokens": 33, "diffusion.policy": "low_confidence"}\n')
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+@pytest.mark.timeout(240)
+def test_traffic_measures_a_tiny_server_from_its_cold_start(tiny_nemotron, tmp_path):
+    """One cold start of serve_local (a subprocess, device=cpu), every phase at a tiny size: the
+    cold-start timeline, a summary per phase with every request answered, the rows, None where this
+    machine has no GPU (or the server no graph series), the log, and the server stopped with its Ray."""
+    mix = tmp_path / "mix.jsonl"
+    mix.write_text(MIX)
+    opts = traffic.parse_args(["--family", "nemotron-ld", "--model", str(tiny_nemotron), "--server-arg", "device=cpu",
+                               "--mix", str(mix), "--requests", "4", "--warmup-requests", "2", "--concurrency", "2",
+                               "--seed-levels", "1,2", "--seed-rounds", "1", "--seed-prompt-len", "16",
+                               "--seed-max-tokens", "32", "--start-timeout", "150", "--out",
+                               str(tmp_path / "traffic.json")])
+    result = traffic.measure(opts)
+
+    cold = result["cold_start"]
+    assert 0 < cold["health_200_s"] <= cold["first_completion_s"] < 150 and cold["model"] == tiny_nemotron.name
+    assert cold["ready_line_s"] is not None and cold["first_completion_attempts"] >= 1
+    for name, n in (("warmup", 2), ("homogeneous", 4), ("mixed", 4)):
+        phase = result["phases"][name]
+        assert phase["error"] is None and phase["summary"]["completed"] == n and phase["summary"]["failed"] == 0
+        assert all(t is not None for t in phase["summary"]["ttfts"])
+        assert set(phase["metrics_after"]) == set(GRAPH_METRICS)
+        assert all(v is None or v >= 0 for v in phase["metrics_after"].values())
+    # homogeneous and mixed: the same prompts and max_tokens (ignore_eos: each commits what it asks)
+    phases = result["phases"]
+    assert phases["homogeneous"]["summary"]["output_lens"] == phases["mixed"]["summary"]["output_lens"]
+    assert [result["seed"][c]["summary"]["completed"] for c in ("warmup", "1", "2")] == [1, 1, 2]
+    assert result["seed"]["2"]["summary"]["output_lens"] == [32, 32]
+
+    rows = result["rows"]
+    assert rows["mixed_over_homogeneous"] == pytest.approx(rows["mixed_tok_s"] / rows["homogeneous_tok_s"])
+    assert rows["mixed_p99_over_median"] >= 1 and rows["failed_requests"] == 0
+    assert rows["seed_over_concurrency_1"]["1"] == 1.0 and rows["seed_tok_s"]["2"] > 0
+    if result["phases"]["mixed"]["memory_after_mib"] is None:   # no nvidia-smi here
+        assert rows["gpu_memory_mixed_minus_warmup_mib"] is None
+    table = traffic.format_table(result)
+    assert "mixed / homogeneous committed tok/s" in table and "seed workload tok/s at concurrency 2 / at 1" in table
+
+    saved = json.loads(opts.out.read_text())
+    assert saved["rows"] == json.loads(json.dumps(rows)) and saved["server_exit_status"] == 0
+    log = opts.log.read_text().splitlines()
+    assert log[1] == "# " + " ".join(result["server_command"]) and any(READY_LINE in line for line in log)
+    assert all(re.match(r" *\d+\.\d{3} \d\d:\d\d:\d\d\.\d{3} \| ", line) for line in log[2:])  # stamped
+    assert _group_members(result["server_pid"]) == []   # the server and its Ray are gone
+
+
+def test_a_server_that_cannot_start_is_a_clear_error_within_its_bound(tmp_path):
+    with pytest.raises(ServerError, match="has no scripts/serve_local.py"):
+        ServerProcess(tmp_path, "m", [], tmp_path / "log")
+    server = ServerProcess(ROOT, "/nonexistent", ["no_such_field=1"], tmp_path / "server.log")
+
+    async def wait():
+        async with httpx.AsyncClient() as http:
+            return await server.wait_ready(http, 120, {"prompt": [1], "max_tokens": 1})
+
+    with server, pytest.raises(ServerError, match=r"the server exited with status [1-9]") as err:
+        asyncio.run(wait())
+    assert "no_such_field" in str(err.value) and str(tmp_path / "server.log") in str(err.value)
+    assert not server.alive()
+
+
+def test_parse_metrics_sums_labels_and_reports_absent_series_as_none():
+    text = ('# HELP dllm_graph_captures_total Graphs captured while serving\n# TYPE dllm_graph_captures_total counter\n'
+            'dllm_graph_captures_total{model="m",kind="denoise"} 2.0\n'
+            'dllm_graph_captures_total{model="m",kind="commit"} 1.0\n'
+            '# TYPE dllm_cuda_graphs gauge\ndllm_cuda_graphs{model="m"} 40.0\n'
+            '# TYPE dllm_free_slots gauge\ndllm_free_slots{model="m"} 8.0\n')
+    assert parse_metrics(text) == {"dllm_eager_steps_total": None, "dllm_graph_captures_total": 3.0,
+                                   "dllm_cuda_graphs": 40.0, "dllm_cuda_graph_memory_bytes": None}
+
+
+def _phase(tok_s: float, median_ms: float, p99_ms: float, memory: float | None, captures: float | None,
+           failed: int = 0) -> dict:
+    metrics = dict.fromkeys(GRAPH_METRICS) | {"dllm_graph_captures_total": captures}
+    return {"requests": 8, "memory_after_mib": memory, "metrics_after": metrics,
+            "summary": {"completed": 8 - failed, "failed": failed, "output_throughput": tok_s,
+                        "median_e2el_ms": median_ms, "p99_e2el_ms": p99_ms}}
+
+
+def test_rows_from_synthetic_phases():
+    result = {"family": "diffusion-gemma", "server_tree": "/t", "server_commit": "abc",
+              "cold_start": {"health_200_s": 50.0, "first_completion_s": 52.0},
+              "phases": {"warmup": _phase(900, 1000, 1100, 70_000.0, 0.0),
+                         "homogeneous": _phase(1000, 1000, 1500, 70_010.0, 0.0),
+                         "mixed": _phase(920, 2000, 3600, 70_030.0, 2.0, failed=1)},
+              "seed": {"warmup": _phase(700, 1300, 1300, 70_030.0, 2.0), "1": _phase(800, 1300, 1300, 70_030.0, 2.0),
+                       "2": _phase(1500, 1400, 1400, 70_030.0, 3.0)}}
+    rows = result["rows"] = traffic.derive(result, [1, 2])
+    assert rows["mixed_over_homogeneous"] == pytest.approx(0.92) and rows["mixed_p99_over_median"] == 1.8
+    assert rows["gpu_memory_mixed_minus_warmup_mib"] == 30.0 and rows["graph_captures_after_ready"] == 3.0
+    assert rows["failed_requests"] == 1 and rows["seed_over_concurrency_1"] == {"1": 1.0, "2": 1.875}
+    assert rows["eager_steps_while_serving"] is None   # a server without the series
+    # a phase that timed out: its requests count as failed, its rows are None
+    result["phases"]["mixed"] = {"requests": 8, "memory_after_mib": None, "summary": None,
+                                 "metrics_after": dict.fromkeys(GRAPH_METRICS)}
+    rows = traffic.derive(result, [1, 2])
+    assert rows["mixed_over_homogeneous"] is None and rows["failed_requests"] == 8
+    assert rows["gpu_memory_mixed_minus_warmup_mib"] is None
+
+    # roofline's table carries the same rows, per family
+    result["rows"] = rows
+    table = roofline.summary({"traffic": {"diffusion-gemma": result, "nemotron-ld": {"error": "died"}}})
+    assert "T diffusion-gemma: p99 / median request latency under the mix" in table
+    assert "T diffusion-gemma: seed workload tok/s at concurrency 2 / at 1" in table and "1.875" in table
+    assert "T nemotron-ld: the server did not start" in table and "P1 Nemotron-LD 8B" in table
+
+
+@pytest.mark.reliability
+@pytest.mark.timeout(400)
+def test_the_gpu_soak_script_against_the_tiny_model(tiny_nemotron, tmp_path):
+    """scripts/soak_gpu.py end to end on CPU for 30 s: every kind of request, the burst (200s and 429s
+    only), 0 errors, every slot free after, exit 0."""
+    run = subprocess.run([sys.executable, "scripts/soak_gpu.py", "--family", "nemotron-ld", "--model",
+                          str(tiny_nemotron), "--server-arg", "device=cpu", "--seconds", "30", "--sample-every", "2",
+                          "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=380)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "soak-nemotron-ld.json").read_text())
+    assert result["passed"] and result["errors"] == {} and result["slots_free_at_end"]
+    assert set(result["burst"]["statuses"]) <= {"200", "429"} and result["burst"]["statuses"]["429"] > 0
+    assert {"whole", "stream", "hangup"} <= set(result["requests"])
+    assert result["resident_memory"] is not None and result["server_exit_status"] == 0
+    assert "PASSED" in run.stdout
