@@ -138,10 +138,11 @@ class StepGraphs:
             graph.replay()
             return
         if self.frozen or not self.capturing:
-            if self.frozen:
-                self.eager_steps += 1
-            else:
-                self.graphs.setdefault(key, None)   # the keys a runner without captures ran (tests)
+            if key not in self.graphs:
+                if self.frozen:
+                    self.eager_steps += 1
+                else:
+                    self.graphs[key] = None   # the keys a runner without captures ran (tests)
             step(*inputs)
             return
         if key not in self.graphs:

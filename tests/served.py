@@ -30,6 +30,7 @@ class Served:
     finish_reason: str | None
     denoising_steps: int   # the request's totals, as its last output reports them
     canvases: int
+    drafts: list           # the CanvasDrafts it was sent, in order (stream_drafts)
 
     @classmethod
     def of(cls, request: Request, outputs: list[RequestOutput]) -> "Served":
@@ -43,7 +44,7 @@ class Served:
         last = outputs[-1]
         return cls(request.request_id, request.params, request.seed, joined("new_tokens"), joined("new_logprobs"),
                    joined("new_ranks"), joined("new_top_ids"), joined("new_top_logprobs"), last.finish_reason,
-                   last.denoising_steps, last.canvases)
+                   last.denoising_steps, last.canvases, [d for out in outputs for d in out.new_drafts])
 
 
 def generate(engine: Engine, prompts: Sequence[Sequence[int]], params: DecodeParams | Sequence[DecodeParams],

@@ -78,24 +78,29 @@ def test_compiled_update_equals_written(family, tiny_nemotron, tmp_path):
     assert sum(len(r[0]) for r in expected) >= 80
 
 
-def test_warm_up_compiles_the_common_plans_then_freezes(tiny_nemotron):
-    """A shard's warm-up compiles one row and two, with none, one or all scored at k = 2 (5 variants) and
-    leaves no slot in use. Those variants serve any batch size, any scored rows, k >= 2, and every mix
-    of reveal policies, early stops, temperatures, filters and modes (nothing compiles even unfrozen);
-    frozen, the kinds of plan they do not serve (k = 1, drafts) compile nothing either. Results as
-    written throughout."""
+def test_warm_up_compiles_the_graph_plans_then_freezes(tiny_nemotron):
+    """A shard's warm-up runs every graph of the closed set once (model/graphs.py; here without CUDA, so
+    each runs eagerly through the same keys, padding and plans), which compiles the canvas step's update
+    for one row and for several, unscored and scored (4 variants), and leaves no slot in use. Those serve
+    every batch and every mix of options afterwards (graph plans compute every pass for every row):
+    nothing compiles, even unfrozen, no step runs outside the set, and the results are as written."""
     from torch._dynamo.utils import counters
 
+    from model.graphs import StepGraphs
+
     written = engine(tiny_nemotron)
-    assert written.shards.runner.warm_up() == 0.0   # nothing compiled on the CPU by default: nothing to warm
+    assert written.shards.runner.warm_up()["graphs"] == {}   # no graphs on the CPU by default: nothing to warm
+    written.shards.runner.graphs = StepGraphs(torch.device("cpu"), capture=False)   # the same plans, as written
     torch._dynamo.reset()
-    served = engine(tiny_nemotron)
-    runner = served.shards.runner
+    served_engine = engine(tiny_nemotron)
+    runner = served_engine.shards.runner
+    runner.graphs = StepGraphs(torch.device("cpu"), capture=False)
     update = runner.canvas_step.update = CompiledUpdate(runner.canvas_step._update, on=True, backend="aot_eager")
     graphs = counters["stats"]["unique_graphs"]
-    assert runner.warm_up() > 0
-    assert counters["stats"]["unique_graphs"] - graphs == 5
-    assert update.frozen and not runner.slots.info
+    report = runner.warm_up()
+    assert counters["stats"]["unique_graphs"] - graphs == 4
+    assert update.frozen and runner.graphs.frozen and not runner.slots.info
+    assert sum(report["graphs"].values()) == len(runner.graphs.graphs)
     prompts = batch_prompts("nemotron")[:4]
 
     update.frozen = False
@@ -104,18 +109,14 @@ def test_warm_up_compiles_the_common_plans_then_freezes(tiny_nemotron):
              DecodeParams(max_tokens=30, policy="leftmost", top_k=5, logprobs=3),
              DecodeParams(max_tokens=20, policy="entropy_bound", ignore_eos=True, logprobs=2),
              DecodeParams(max_tokens=30, mode="linear_spec", logprobs=4)]
-    assert run(served, prompts, mixed) == run(written, prompts, mixed)
-    assert run(served, prompts[:1], [DecodeParams(max_tokens=40, policy="low_confidence")]) == \
+    assert run(served_engine, prompts, mixed) == run(written, prompts, mixed)
+    assert run(served_engine, prompts[:1], [DecodeParams(max_tokens=40, policy="low_confidence")]) == \
         run(written, prompts[:1], [DecodeParams(max_tokens=40, policy="low_confidence")])
-    one_scored = [DecodeParams(max_tokens=40, logprobs=3), DecodeParams(max_tokens=30), DecodeParams(max_tokens=20)]
-    assert run(served, prompts[:3], one_scored) == run(written, prompts[:3], one_scored)
+    others = [DecodeParams(max_tokens=40, logprobs=1, temperature=0.7, seed=1, top_p=0.5),
+              DecodeParams(max_tokens=30, stream_drafts=True, draft_every=2, mode="ar")]
+    assert run(served_engine, prompts[:2], others) == run(written, prompts[:2], others)
     assert counters["stats"]["unique_graphs"] == graphs
-
-    update.freeze()
-    others = [DecodeParams(max_tokens=40, logprobs=1, temperature=0.7, seed=1),
-              DecodeParams(max_tokens=30, stream_drafts=True, draft_every=2)]
-    assert run(served, prompts[:2], others) == run(written, prompts[:2], others)
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert runner.graphs.eager_steps == 0 and len(runner.graphs.graphs) == sum(report["graphs"].values())
 
 
 def test_compile_failure_runs_the_update_as_written(caplog):

@@ -148,3 +148,54 @@ def test_triton_rank_top_k_equals_torch_in_the_interpreter():
     """The scored rows' second read (rank counts and top-k keys by per-tile sort and merge) equals the
     torch reference exactly, over several tiles and splits, ties and a slice narrower than k."""
     run_interpreted(RANK_TOP_CHECK, "rank and top-k: triton == torch", timeout=200)
+
+
+THRESHOLD_CHECK = r"""
+import torch
+from model.kernels.filters import triton_threshold
+from model.parallel.group import TPGroup
+from model.sampling.filters import torch_threshold
+torch.manual_seed(0)
+# rows: top-k only, top-p only, both, neither; a tie at a row's 3rd largest; the mask token's -inf
+for V, vs, dtype, softcap, on_scaled in [(3000, 0, torch.float32, None, True), (2500, 64, torch.bfloat16, 30.0, False)]:
+    x = (torch.randn(4, 2, V) * 4).to(dtype)
+    x[0, 0, 5] = float("-inf")
+    top = x[2, 1].topk(3).values
+    x[2, 1, :2] = top[2]
+    temp = torch.tensor([0.7, 0.0, 1.3, 1.0])
+    top_k, top_p = torch.tensor([5, 0, 3, 0]), torch.tensor([1.0, 0.6, 0.9, 1.0])
+    a = torch_threshold(x, temp, top_k, top_p, vs, TPGroup(), softcap=softcap, on_scaled=on_scaled)
+    b = triton_threshold(x, temp, top_k, top_p, vs, TPGroup(), softcap=softcap, on_scaled=on_scaled)
+    assert torch.equal(torch.isinf(a), torch.isinf(b)) and torch.isinf(a[3]).all() and torch.isfinite(a[:3]).all()
+    tol = 0 if softcap is None else 1e-5   # the interpreter's tanh is not torch's to the last bit
+    assert torch.allclose(a, b, rtol=tol, atol=0), (a, b)
+print("thresholds: triton == torch")
+"""
+
+
+def test_triton_thresholds_equal_torch_in_the_interpreter():
+    """The filters' radix select over the raw logits' keys (model/kernels/filters.py) finds the thresholds
+    torch's select over the decided values finds: top-k, top-p, both and neither, fp32 logits divided by
+    T and bf16 logits softcapped, a tie, a -inf entry, a vocabulary offset."""
+    run_interpreted(THRESHOLD_CHECK, "thresholds: triton == torch", timeout=300)
+
+
+ASKED_CHECK = r"""
+import torch
+from model.kernels.vocab_stats import triton_rank_top_k
+from model.sampling import stats as S
+torch.manual_seed(1)
+x = torch.randn(3, 2, 600) * 4
+tok = x[..., 7]
+asked = torch.tensor([4, -1, 0])   # top 4; no scores; the rank only
+ca, ka = S.torch_rank_top_k(x, tok, 4, 0)
+cb, kb = triton_rank_top_k(x, tok, 4, 0, asked=asked, block=64, split=256)
+assert torch.equal(ca[0], cb[0]) and torch.equal(ka[0], kb[0]) and torch.equal(ca[2], cb[2])
+assert (cb[1] == 0).all() and not torch.equal(ka[2], kb[2])   # skipped work leaves nothing computed
+print("asked rows only")
+"""
+
+
+def test_triton_scores_skip_rows_that_asked_none_in_the_interpreter():
+    """A graph's plan scores every row; the kernel computes only what each row's request asked for."""
+    run_interpreted(ASKED_CHECK, "asked rows only", timeout=200)

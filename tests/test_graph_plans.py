@@ -1,0 +1,120 @@
+"""Request options are device data (model/steps/plan.py): a CUDA graph's plan, with every pass on and its
+rows padded to a capture size, gives every request what the exact plan of its batch gives, whatever
+options its neighbours asked for; and the closed set of graphs (model/graphs.py) serves every mix of
+options with no step outside it. On the CPU the runner gets StepGraphs without captures: every step
+runs eagerly through the keys, padding and plans it would replay on CUDA (tests/test_gpu.py captures)."""
+import pytest
+import torch
+
+from model.graphs import (PREFILL_GRAPH_TOKENS, StepGraphs, capture_sizes, key_buckets, prefill_widths)
+from model.sampling.params import DecodeParams
+from tests import served
+from workers.engine import Engine
+
+NEMOTRON_MIX = [
+    DecodeParams(max_tokens=40, temperature=0.7, seed=1, logprobs=5, top_k=17),
+    DecodeParams(max_tokens=30, policy="leftmost", top_p=0.5, logprobs=0),
+    DecodeParams(max_tokens=20, policy="entropy_bound", ignore_eos=True),
+    DecodeParams(max_tokens=30, mode="linear_spec", logprobs=20),
+    DecodeParams(max_tokens=12, mode="ar", temperature=1.0, seed=4, top_k=5, top_p=0.9, logprobs=2),
+    DecodeParams(max_tokens=40, policy="low_confidence", max_denoising_steps=8, stream_drafts=True, draft_every=2,
+                 temperature=0.7, seed=9, eos_early_stop=False),
+    DecodeParams(max_tokens=24, temperature=0, top_k=1, logprobs=1, seed_first_position=False),
+]
+GEMMA_MIX = [
+    DecodeParams(max_tokens=20, seed=3, logprobs=2, top_k=40),
+    DecodeParams(max_tokens=24, seed=4, top_p=0.5, stream_drafts=True, draft_every=2, max_denoising_steps=6),
+    DecodeParams(max_tokens=16, seed=5, ignore_eos=True, entropy_bound=0.5),
+    DecodeParams(max_tokens=30, seed=6, logprobs=20, top_k=5, top_p=0.9, confidence_threshold=0),
+    DecodeParams(max_tokens=10, seed=7),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory):
+    from model.tiny import write_diffusion_gemma
+
+    return write_diffusion_gemma(tmp_path_factory.mktemp("gemma-plans"), seed=0)
+
+
+def outcome(e: Engine, prompts, params) -> list[tuple]:
+    return [(r.output, r.logprobs, r.ranks, r.top_ids, r.top_logprobs, r.denoising_steps, r.canvases,
+             r.finish_reason, [(d.offset, d.step, d.tokens, d.known) for d in r.drafts])
+            for r in served.generate(e, prompts, params)]
+
+
+def prompts_of(n: int, vocab: int) -> list[list[int]]:
+    return [[2] + [(37 * i + 11 * j) % vocab + 10 for j in range(3 + 7 * i)] for i in range(n)]
+
+
+def assert_same(got, expected, tol=1e-4):
+    for g, e in zip(got, expected, strict=True):
+        assert (g[0], g[2], g[3], g[5:]) == (e[0], e[2], e[3], e[5:])
+        for a, b in ((g[1], e[1]), (g[4], e[4])):
+            assert (a is None) == (b is None)
+            if a is not None:
+                flat = lambda v: [x for row in v for x in (row if isinstance(row, list) else [row])]  # noqa: E731
+                assert max((abs(x - y) for x, y in zip(flat(a), flat(b))), default=0) < tol
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_graph_plans_equal_exact_plans(family, tiny_nemotron, tiny_gemma):
+    """In fp32, a mix of every option (temperatures, top-k, top-p, logprobs 0-20, policies, modes, drafts,
+    early stops) over 4 slots with a queue: the padded graph plans and the exact plans give the same
+    tokens, ranks, alternatives, steps, finish reasons and drafts, and logprobs within 1e-4. Then the
+    same mix after a warm-up: every step's key was warmed, none ran outside the set."""
+    model_dir, mix, vocab = (tiny_nemotron, NEMOTRON_MIX, 900) if family == "nemotron" else (tiny_gemma, GEMMA_MIX, 500)
+    prompts = prompts_of(len(mix), vocab)
+
+    def engine(graphs: bool) -> Engine:
+        e = Engine(model_dir, num_slots=4, max_model_len=256, dtype="float32")
+        if graphs:
+            e.shards.runner.graphs = StepGraphs(torch.device("cpu"), capture=False)
+        return e
+
+    exact = outcome(engine(False), prompts, mix)
+    with engine(True) as e:
+        runner = e.shards.runner
+        report = runner.warm_up()
+        warmed = set(runner.graphs.graphs)
+        assert_same(outcome(e, prompts, mix), exact)
+        assert set(runner.graphs.graphs) == warmed and runner.graphs.eager_steps == 0
+        assert sum(report["graphs"].values()) == len(warmed)
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_the_graph_set_is_a_formula_of_sizes_and_buckets(family, tiny_nemotron, tiny_gemma):
+    """canvas and ar: sizes x buckets x 2; prefill: sizes x widths (rows x width within the budget) x 2, x 1
+    for a family whose prefill samples nothing; DiffusionGemma has no ar."""
+    model_dir = tiny_nemotron if family == "nemotron" else tiny_gemma
+    with Engine(model_dir, num_slots=6, max_model_len=600, dtype="float32") as e:
+        runner = e.shards.runner
+        runner.graphs = StepGraphs(torch.device("cpu"), capture=False)
+        report = runner.warm_up()
+    C = runner.C
+    sizes, buckets = capture_sizes(6), key_buckets(600 + C)
+    assert sizes == (1, 2, 4, 6) and report["capture_sizes"] == list(sizes)
+    prefills = sum(1 for b in sizes for w in prefill_widths(600 + C) if b * w <= PREFILL_GRAPH_TOKENS)
+    tiers = 2 if family == "nemotron" else 1
+    expected = {"canvas": len(sizes) * len(buckets) * 2, "prefill": prefills * tiers}
+    if family == "nemotron":
+        expected["ar"] = len(sizes) * len(buckets) * 2
+    assert report["graphs"] == expected
+
+
+def test_a_step_outside_the_set_runs_eagerly_and_is_counted(tiny_nemotron):
+    """After the warm-up froze the set, a prefill too wide for a graph runs eagerly at its own width (the
+    same results) and is counted; graphs are never added while serving."""
+    rows = 2
+    long = PREFILL_GRAPH_TOKENS // rows + 1
+    params = DecodeParams(max_tokens=4, ignore_eos=True, temperature=0, logprobs=1)
+    prompts = [[1] + [7] * (long - 1), [1] + [9] * (long - 2)]
+    with Engine(tiny_nemotron, num_slots=rows, max_model_len=long + 64, dtype="float32") as e:
+        expected = outcome(e, prompts, [params] * 2)
+    with Engine(tiny_nemotron, num_slots=rows, max_model_len=long + 64, dtype="float32") as e:
+        runner = e.shards.runner
+        runner.graphs = StepGraphs(torch.device("cpu"), capture=False)
+        runner.warm_up()
+        warmed = set(runner.graphs.graphs)
+        assert_same(outcome(e, prompts, [params] * 2), expected)
+    assert runner.graphs.eager_steps == 1 and set(runner.graphs.graphs) == warmed
