@@ -11,6 +11,7 @@ generation endpoint funnels into `_generate`; the coordinator handle is injected
 front ends can swap it.
 """
 # No `from __future__ import annotations`: FastAPI resolves endpoint annotations at runtime.
+import asyncio
 import hmac
 import json
 from pathlib import Path
@@ -33,8 +34,7 @@ from deployments.protocol import (ChatChoice, ChatCompletionRequest, ChatComplet
                                   ChatCompletionStreamResponse, ChatDelta, ChatResponseMessage, ChatStreamChoice,
                                   CompletionChoice, CompletionRequest, CompletionResponse,
                                   CompletionStreamResponse, ModelCard, ModelList, Usage)
-from model.checkpoint import load_model_config
-from model.config import RenoiseDefaults, load_generation_defaults
+from model.checkpoint import Checkpoint, RunnerArgs
 from model.sampling.params import ParamError
 from workers.serve_coordinator import CoordinatorDeployment, placement_bundles
 
@@ -45,6 +45,12 @@ add_handlers(app)
 
 ENDPOINT = {"completion": "completions", "chat": "chat_completions"}   # request kind -> metrics label
 HEALTH_DETAIL = ("num_slots", "free_slots", "running", "waiting", "shard_failures")
+# A running coordinator answers its stats at once; Serve holds a call while no replica runs (one starting
+# loads weights and captures CUDA graphs for minutes), so no answer within STATS_S means none is ready.
+STATS_S, SHARD_PING_S = 2.0, 15.0
+WARMING_UP = "warming up: no model replica is ready yet (loading weights, capturing CUDA graphs)"
+STATE_REASON = {"starting": WARMING_UP, "rebuilding": "rebuilding the model shards after a failure",
+                "down": "the model shards are down and could not be rebuilt"}
 def _last_line(err: Exception) -> str:
     """A remote exception's own message (Ray prefixes the whole remote traceback)."""
     lines = [line for line in str(err).splitlines() if line.strip()]
@@ -59,39 +65,36 @@ def _sse(payload) -> str:
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, coordinator: DeploymentHandle, args: dict):
+    def __init__(self, coordinator: DeploymentHandle, args: dict, checkpoint: Checkpoint):
         from transformers import AutoTokenizer
 
         self.args = AppArgs(**args)
-        self.model_dir = self.args.model_dir()
+        self.model_dir = checkpoint.path
         self.model_name = self.args.model_name()
         self.coordinator = coordinator
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.vocab_size = len(self.tokenizer)
-        config = load_model_config(self.model_dir)
+        config = checkpoint.config
         self.model_vocab_size = config.vocab_size
         self.defaults = self.args.decode_defaults()
         self.canvas_length = config.canvas_length  # for usage.diffusion.canvas_positions and drafts
         self.mask_id = config.mask_token_id        # a draft's masked positions (None: uniform-noise canvases)
-        if config.family == "diffusion-gemma":
+        if checkpoint.renoise is not None:
             # the checkpoint's schedule where the server sets none, so that a request's t_min or t_max is
             # checked against the other end here (a 400), not in a shard (a failed step for every request)
-            renoise = RenoiseDefaults.from_generation(load_generation_defaults(self.model_dir))
             for end in ("t_min", "t_max"):
                 if self.defaults[end] is None:
-                    self.defaults[end] = getattr(renoise, end)
+                    self.defaults[end] = getattr(checkpoint.renoise, end)
+        self.model_ready = False   # once the coordinator said so: requests then go straight to it
 
     # ---- endpoints ------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> dict:
-        """200 once the shards answer a ping, with the slot counts (a leak shows as free_slots below
-        num_slots while nothing runs); 503 while they are down."""
-        try:
-            await self.coordinator.check_health.remote()
-            stats = await self.coordinator.stats.remote()
-        except RayError as err:
-            raise APIError(503, f"unhealthy: {_last_line(err)}", "service_unavailable",
-                           headers={"Retry-After": "1"}) from None
+        """200 when a request would be served now: the coordinator is ready and its shards answer a ping,
+        with the slot counts (a leak shows as free_slots below num_slots while nothing runs); 503 with the
+        reason otherwise (warming up, rebuilding, down)."""
+        stats = await self._ready_stats()
+        await self._bounded(self.coordinator.check_health.remote(), SHARD_PING_S, "the model shards did not answer")
         return {"status": "ok", **{k: stats[k] for k in HEALTH_DETAIL}}
 
     @app.get("/v1/models")
@@ -106,7 +109,7 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        stats = await self.coordinator.stats.remote()
+        stats = await self._bounded(self.coordinator.stats.remote(), STATS_S, WARMING_UP)
         return PlainTextResponse(prom.prometheus_text(stats, self.model_name, prom.REQUESTS),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -134,6 +137,29 @@ class OpenAIIngress:
             "max_completion_tokens"
         return await self._generate("chat", body, list(prompt), "messages", length)
 
+    # ---- readiness --------------------------------------------------------------------------------
+    async def _bounded(self, response, timeout_s: float, reason: str):
+        """A coordinator call's result; 503 with `reason` if no replica answers within timeout_s (while a
+        replica warms up, Serve holds calls until it is running), or with Ray's reason if it failed."""
+        async def result():
+            return await response
+        try:
+            return await asyncio.wait_for(result(), timeout_s)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise APIError(503, reason, "service_unavailable", headers={"Retry-After": "5"}) from None
+        except RayError as err:
+            raise APIError(503, f"unhealthy: {_last_line(err)}", "service_unavailable",
+                           headers={"Retry-After": "1"}) from None
+
+    async def _ready_stats(self) -> dict:
+        """The coordinator's stats if it is ready; 503 with what it is doing otherwise."""
+        stats = await self._bounded(self.coordinator.stats.remote(), STATS_S, WARMING_UP)
+        if stats["state"] != "ready":
+            raise APIError(503, STATE_REASON.get(stats["state"], stats["state"]), "service_unavailable",
+                           headers={"Retry-After": "5"})
+        return stats
+
     # ---- the one request path -------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
         key = self.args.api_key
@@ -150,6 +176,9 @@ class OpenAIIngress:
                            "invalid_request_error", param="model", code="model_not_found")
 
     async def _generate(self, kind: str, body, prompt: list[int], prompt_param: str, length_param: str):
+        if not self.model_ready:   # a 503 now rather than a request held until a replica warms up
+            await self._ready_stats()
+            self.model_ready = True
         try:
             params = body.decode_params(self.defaults)
         except ParamError as err:
@@ -288,19 +317,21 @@ class OpenAIIngress:
 
 
 def build_app(args: dict):
-    """The application for `serve run deployments.app:build_app key=value ...`."""
+    """The application for `serve run deployments.app:build_app key=value ...`: the checkpoint read once
+    here, and handed to the ingress and, with the runner's arguments, to every replica and shard."""
     a = AppArgs(**args)
     model_dir = a.model_dir()
     use_gpu = a.use_gpu()
-    load_model_config(model_dir).check_tensor_parallel(a.tensor_parallel_size)  # fail at deploy, not at request
-    runner_args = dict(num_slots=a.max_num_seqs, max_model_len=a.max_model_len, dtype=a.torch_dtype(),
-                       load_format=a.load_format, max_steps_per_command=a.max_steps_per_command,
-                       batch_invariant=a.batch_invariant)
+    checkpoint = Checkpoint.read(model_dir)
+    checkpoint.config.check_tensor_parallel(a.tensor_parallel_size)  # fail at deploy, not at request
+    runner_args = RunnerArgs(checkpoint=checkpoint, num_slots=a.max_num_seqs, max_model_len=a.max_model_len,
+                             dtype=a.torch_dtype(), device="cuda" if use_gpu else "cpu", load_format=a.load_format,
+                             max_steps_per_command=a.max_steps_per_command, batch_invariant=a.batch_invariant)
     engine_args = dict(num_slots=a.max_num_seqs, max_model_len=a.max_model_len, max_queue=a.max_queue,
                        max_steps_per_command=a.max_steps_per_command, request_timeout_s=a.request_timeout_s,
                        overlap_commands=a.overlap_commands)
     coordinator = CoordinatorDeployment.options(
         num_replicas=a.num_replicas, placement_group_bundles=placement_bundles(a.tensor_parallel_size, use_gpu),
         placement_group_strategy=a.placement_strategy, ray_actor_options={"num_cpus": 1},
-    ).bind(model_dir, a.tensor_parallel_size, use_gpu, runner_args, engine_args, a.command_timeout_s)
-    return OpenAIIngress.bind(coordinator, {**a.model_dump(), "model": model_dir})
+    ).bind(runner_args, a.tensor_parallel_size, use_gpu, engine_args, a.command_timeout_s)
+    return OpenAIIngress.bind(coordinator, {**a.model_dump(), "model": model_dir}, checkpoint)

@@ -34,6 +34,18 @@ SHARD_COUNTERS = (  # stats key, metric name, help
     ("shard_busy_s", "dllm_shard_busy_seconds", "Seconds the shards spent executing commands (rank 0's runner, "
      "host clock): its rate is the share of time the model is working"),
 )
+# CUDA graphs (model/graphs.py): the closed set captured at warm-up, and what happened outside it since
+GRAPH_COUNTERS = (  # stats["graphs"] key, metric name, help
+    ("eager_steps", "dllm_eager_steps", "Steps run outside a CUDA graph since the shards were ready (a plan "
+     "outside the captured set, e.g. a prefill too wide for a graph)"),
+    ("captured_after_ready", "dllm_graph_captures", "CUDA graphs captured while serving (0: all were captured "
+     "before the replica was ready)"),
+)
+GRAPH_GAUGES = (  # stats["warm_up"] value, metric name, help
+    (lambda w: sum((w.get("graphs") or {}).values()), "dllm_cuda_graphs", "CUDA graphs captured at warm-up"),
+    (lambda w: w.get("graph_bytes", 0), "dllm_cuda_graph_memory_bytes", "Device memory the CUDA graphs hold (rank 0)"),
+    (lambda w: w.get("seconds", 0.0), "dllm_warm_up_seconds", "Seconds the shards' warm-up (captures, compiles) took"),
+)
 # the generation endpoints whose requests are counted: path suffix -> label
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 
@@ -81,6 +93,14 @@ class _Snapshot:
         for (endpoint, status), n in sorted(self.requests.counts.items()):
             c.add_metric(model + [endpoint, status], n)
         yield c
+        for key, name, doc in GRAPH_COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=["model"])
+            c.add_metric(model, s["graphs"][key])
+            yield c
+        for value, name, doc in GRAPH_GAUGES:
+            g = GaugeMetricFamily(name, doc, labels=["model"])
+            g.add_metric(model, value(s["warm_up"]))
+            yield g
         c = CounterMetricFamily("dllm_finished_requests", "Requests finished by the engine, by finish reason "
                                 "(stop, length, abort)", labels=["model", "reason"])
         for reason, n in sorted(s["finished"].items()):

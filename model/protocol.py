@@ -78,3 +78,6 @@ class Events:
     # the runner's wall time for the command, from its call to the end of the copy-out (host clock):
     # the coordinator's busy time of the shards, which shows what the control plane adds around them
     execute_s: float = 0.0
+    # the runner's CUDA graph counts so far (model/graphs.py): steps run outside a graph and graphs
+    # captured since its warm-up; None without graphs
+    graphs: dict | None = None

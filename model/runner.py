@@ -148,6 +148,9 @@ class Runner:
             t = self.slots
             events.steps_left = {s: self.budget.left(i.params, t.host_phase[s], t.host_n[s], t.host_emitted[s])
                                  for s, i in self.slots.info.items()}
+            if self.graphs is not None:
+                events.graphs = {"eager_steps": self.graphs.eager_steps,
+                                 "captured_after_ready": self.graphs.captured - self.graphs.captured_at_freeze}
             return events
 
     def warm_up(self) -> dict:

@@ -60,6 +60,9 @@ def main(argv: list[str]) -> None:
 
     from deployments.app import build_app
     from deployments.args import AppArgs
+    from workers.coordinator import describe_warm_up
+
+    started = time.monotonic()
 
     app = build_app(args)  # validates the arguments (a pydantic error names a bad one) before Ray starts
     resolved = AppArgs(**args)
@@ -71,10 +74,13 @@ def main(argv: list[str]) -> None:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(app, name=APP, route_prefix="/")
-        serve.get_deployment_handle("Coordinator", app_name=APP).ready.remote().result()  # load the weights now
+        # serve.run returns once every replica runs: the shards have loaded and warmed up (captures, compiles)
+        stats = serve.get_deployment_handle("Coordinator", app_name=APP).stats.remote().result()
         base = f"http://127.0.0.1:{port}"
-        print(f"\ndllm-serve is ready on {base}: model `{resolved.model_name()}` ({resolved.model_dir()}), "
-              f"tensor_parallel_size={resolved.tensor_parallel_size}\n\n"
+        warm = f"\nwarm-up: {describe_warm_up(stats['warm_up'])}" if stats["warm_up"].get("graphs") else ""
+        print(f"\ndllm-serve is ready on {base} after {time.monotonic() - started:.1f} s: model "
+              f"`{resolved.model_name()}` ({resolved.model_dir()}), tensor_parallel_size={resolved.tensor_parallel_size}"
+              f"{warm}\n\n"
               f"{curl_examples(base, resolved.model_name(), resolved.api_key)}\n\n"
               f"  curl {base}/v1/models\n\nCtrl-C to stop.", flush=True)
         while True:

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from model.checkpoint import RunnerArgs
+from model.checkpoint import Checkpoint, RunnerArgs
 from model.sampling.params import DecodeParams
 from model.tiny import write_diffusion_gemma
 from workers.coordinator import Coordinator, RequestError
@@ -59,7 +59,7 @@ class QueuedShards:
 
 
 def coordinator(model_dir, shards, overlap: bool) -> Coordinator:
-    return Coordinator(str(model_dir), shards, num_slots=SLOTS, max_model_len=512, max_queue=8,
+    return Coordinator(Checkpoint.read(model_dir), shards, num_slots=SLOTS, max_model_len=512, max_queue=8,
                        max_steps_per_command=4, overlap_commands=overlap, request_timeout_s=120)
 
 

@@ -143,16 +143,27 @@ def test_cuda_ar_and_linear_speculation_agree(cuda_engine):
 
 
 def test_serve_app_on_gpu(tiny_nemotron):
+    """The app on a GPU: its replica is ready only with its CUDA graphs captured (the set the warm-up
+    reports); requests of every option mix then capture nothing and run no step outside a graph."""
     openai = pytest.importorskip("openai")
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
     from ray import serve
 
     from deployments.app import build_app
     from tests.serve_harness import start_serve, stop_serve
 
+    def metrics(port) -> dict:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
     port = start_serve()
     try:
         serve.run(build_app({"model": str(tiny_nemotron), "served_model_name": "tiny", "device": "cuda",
                              "dtype": "bfloat16", "max_model_len": 512}), name="gpu", route_prefix="/")
+        ready = metrics(port)
+        assert ready["dllm_cuda_graphs"] > 100 and ready["dllm_cuda_graph_memory_bytes"] > 0
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
         r = c.completions.create(model="tiny", prompt="Hello", max_tokens=40, logprobs=2, temperature=0,
                                  extra_body={"ignore_eos": True})
@@ -161,8 +172,63 @@ def test_serve_app_on_gpu(tiny_nemotron):
                                                 max_tokens=33, stream=True, temperature=0,
                                                 extra_body={"ignore_eos": True}))
         assert chunks[-1].choices[0].finish_reason == "length"
+        mixes = [(dict(temperature=0.7, logprobs=5), {"top_k": 17}), (dict(top_p=0.5), {"diffusion": {"policy": "leftmost"}}),
+                 (dict(temperature=0, logprobs=1), {"diffusion": {"mode": "ar"}}),
+                 (dict(temperature=1.0, top_p=0.9), {"top_k": 3, "diffusion": {"policy": "entropy_bound"}})]
+        for i, (options, extra) in enumerate(mixes * 2):
+            r = c.completions.create(model="tiny", prompt=f"Hello {i}", max_tokens=20 + 7 * i,
+                                     extra_body={"ignore_eos": True, **extra}, **options)
+            assert r.usage.completion_tokens == 20 + 7 * i
+        after = metrics(port)
+        assert after["dllm_graph_captures_total"] == 0 and after["dllm_eager_steps_total"] == 0
+        assert after["dllm_cuda_graphs"] == ready["dllm_cuda_graphs"]
     finally:
         stop_serve()
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_cuda_graph_set_serves_every_option_mix(family, tiny_nemotron, tiny_gemma):
+    """A warmed-up CUDA runner holds exactly the graph set's formula; tests/test_graph_plans.py's mix of
+    every option then captures nothing and runs no step eagerly, and gives, in fp32, the tokens of a
+    runner without graphs (exact plans, no padding) and its logprobs within 1e-3."""
+    from tests.test_graph_plans import GEMMA_MIX, NEMOTRON_MIX, outcome, prompts_of
+    from workers.engine import Engine
+
+    model_dir, mix, vocab = (tiny_nemotron, NEMOTRON_MIX, 900) if family == "nemotron" else (tiny_gemma, GEMMA_MIX, 500)
+    prompts = prompts_of(len(mix), vocab)
+    with Engine(model_dir, num_slots=4, max_model_len=256, device="cuda", dtype="float32") as e:
+        e.shards.runner.graphs = None
+        expected = outcome(e, prompts, mix)
+    with Engine(model_dir, num_slots=4, max_model_len=256, device="cuda", dtype="float32") as e:
+        runner = e.shards.runner
+        report = runner.warm_up()
+        assert runner.graphs.captured == sum(report["graphs"].values()) and report["graph_bytes"] > 0
+        got = outcome(e, prompts, mix)
+        assert runner.graphs.captured == sum(report["graphs"].values()) and runner.graphs.eager_steps == 0
+    for g, x in zip(got, expected):
+        assert (g[0], g[2], g[3], g[5:]) == (x[0], x[2], x[3], x[5:])
+        if x[1] is not None:
+            assert max(abs(a - b) for a, b in zip(g[1], x[1])) < 1e-3
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_triton_thresholds_equal_torch(family):
+    """The filters' thresholds on full-size vocabularies in bf16: triton's radix select over the raw
+    logits' keys against torch's over the decided values."""
+    from model.kernels.filters import triton_threshold
+    from model.parallel.group import TPGroup
+    from model.sampling.filters import torch_threshold
+
+    R, P, V, kw = (4, 32, 131072, dict(on_scaled=True)) if family == "nemotron" else \
+        (4, 256, 262144, dict(softcap=30.0, on_scaled=False))
+    x = (torch.randn(R, P, V, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16).cuda()
+    temp = torch.tensor([0.7, 0.0, 1.3, 1.0], device="cuda")
+    top_k = torch.tensor([5, 0, 499, 0], device="cuda")
+    top_p = torch.tensor([1.0, 0.5, 0.9, 1.0], device="cuda")
+    a = torch_threshold(x, temp, top_k, top_p, 0, TPGroup(), **kw)
+    b = triton_threshold(x, temp, top_k, top_p, 0, TPGroup(), **kw)
+    assert torch.equal(torch.isinf(a), torch.isinf(b)) and torch.isinf(a[3]).all() and torch.isfinite(a[:3]).all()
+    assert torch.allclose(a, b, rtol=1e-6, atol=0), (a - b).abs().max()
 
 
 @pytest.mark.parametrize("family", ["nemotron", "gemma"])

@@ -34,7 +34,10 @@ def test_prometheus_text_of_stats():
         requests.add(endpoint_of(path), status)
     stats = {"counters": dict(committed_tokens=64, denoising_steps=16, canvas_positions=512, canvases=2, forwards=20),
              "running": 0, "waiting": 3, "free_slots": 4, "num_slots": 4, "shard_failures": 1, "shard_restarts": 1,
-             "shard_busy_s": 2.5, "derived": {"steps_per_canvas": 8.0, "committed_throughput": None}, **m.snapshot()}
+             "shard_busy_s": 2.5, "derived": {"steps_per_canvas": 8.0, "committed_throughput": None},
+             "graphs": {"eager_steps": 3, "captured_after_ready": 0},
+             "warm_up": {"graphs": {"canvas": 64, "prefill": 40}, "graph_bytes": 2**30, "seconds": 12.5},
+             **m.snapshot()}
     samples = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model"))): s.value
                for f in text_string_to_metric_families(prometheus_text(stats, "tiny", requests)) for s in f.samples}
     assert samples[("dllm_requests_total", (("endpoint", "completions"), ("status", "200")))] == 1
@@ -53,3 +56,6 @@ def test_prometheus_text_of_stats():
     assert samples[("dllm_shard_busy_seconds_total", ())] == 2.5
     assert samples[("dllm_committed_tokens_total", ())] == 64 and samples[("dllm_steps_per_canvas", ())] == 8.0
     assert not any(name == "dllm_committed_throughput" for name, _ in samples)   # undefined ratios are left out
+    assert samples[("dllm_eager_steps_total", ())] == 3 and samples[("dllm_graph_captures_total", ())] == 0
+    assert samples[("dllm_cuda_graphs", ())] == 104 and samples[("dllm_cuda_graph_memory_bytes", ())] == 2**30
+    assert samples[("dllm_warm_up_seconds", ())] == 12.5

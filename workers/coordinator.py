@@ -42,14 +42,44 @@ class RequestError(Exception):
         self.kind, self.message, self.param = kind, message, param
 
 
+class GraphCounts:
+    """Steps run outside a CUDA graph and graphs captured since the shards were ready (model/graphs.py),
+    summed over shard groups: each command's events carry rank 0's counts so far, and a rebuilt group
+    starts from 0."""
+
+    def __init__(self):
+        self.current = {"eager_steps": 0, "captured_after_ready": 0}
+        self.retired = dict(self.current)
+
+    def update(self, counts: dict | None) -> None:
+        if counts:
+            self.current = {k: counts[k] for k in self.current}
+
+    def retire(self) -> None:
+        self.retired = self.totals()
+        self.current = dict.fromkeys(self.current, 0)
+
+    def totals(self) -> dict:
+        return {k: self.retired[k] + self.current[k] for k in self.current}
+
+
+def describe_warm_up(report: dict) -> str:
+    """One line of what a shard's warm-up did (the ready line of the log and of scripts/serve_local.py)."""
+    graphs = report.get("graphs") or {}
+    kinds = ", ".join(f"{kind} {n}" for kind, n in graphs.items())
+    return (f"{sum(graphs.values())} CUDA graphs ({kinds}; batch sizes {report.get('capture_sizes')}, "
+            f"{len(report.get('key_buckets') or [])} key buckets) captured in {report.get('seconds', 0):.1f} s, "
+            f"holding {report.get('graph_bytes', 0) / 2**30:.2f} GiB")
+
+
 class Coordinator:
     """Not a Serve deployment by itself: deployments/app wraps it (workers never import Serve's HTTP
     side). `shards` is anything with async start/execute/ping/stop (RayShards in production)."""
 
-    def __init__(self, model_dir: str, shards, *, num_slots: int, max_model_len: int, max_queue: int,
+    def __init__(self, checkpoint: Checkpoint, shards, *, num_slots: int, max_model_len: int, max_queue: int,
                  max_steps_per_command: int, seed: int = 0, request_timeout_s: float = 600.0,
                  overlap_commands: bool = True):
-        self.checkpoint = Checkpoint.read(model_dir)
+        self.checkpoint = checkpoint
         self.config = self.checkpoint.config
         self.budget = self.checkpoint.budget   # what the shards' runners bound steps by
         self.shards = shards
@@ -66,6 +96,11 @@ class Coordinator:
         self._lock: asyncio.Lock | None = None
         self._started = False
         self._healthy = True
+        # what /health reports: "starting" (loading weights, capturing graphs), "ready", "rebuilding"
+        # (after a shard failure), "down" (a start or a rebuild failed)
+        self.state = "starting"
+        self.warm_up: dict = {}        # rank 0's last warm-up report (model.runner.Runner.warm_up)
+        self.graphs = GraphCounts()    # steps outside CUDA graphs and captures while serving, from the events
         self.failures = 0
         self.shard_starts = 0
         self.metrics = RequestMetrics()
@@ -84,12 +119,10 @@ class Coordinator:
         async with self._lock:
             if not self._started:
                 try:
-                    self.shard_starts += 1
-                    await self.shards.start()
+                    await self._start_shards()
                 except ShardFailure as err:
-                    self._healthy = False
+                    self._healthy, self.state = False, "down"
                     raise RequestError("shard_failure", f"the model shards could not start: {err}") from None
-                self._started, self._healthy = True, True
         if self._loop_task is None or self._loop_task.done():
             self._wake = asyncio.Event()
             # A fresh context: the loop belongs to no request. Inheriting the starting request's context
@@ -163,6 +196,7 @@ class Coordinator:
                 try:
                     events = await in_flight.popleft()
                     self.shard_busy_s += events.execute_s
+                    self.graphs.update(events.graphs)
                     outputs = self.scheduler.apply(events)
                 except Exception as err:   # a shard failed, or a bug here: end the requests, never strand them
                     await self._drop(in_flight)
@@ -198,16 +232,23 @@ class Coordinator:
             queue.put_nowait(failure)
         self._retired.add(self.scheduler.counters)
         self.scheduler = self._new_scheduler()
+        self.graphs.retire()
         async with self._lock:
             self.shards.stop()
-            self._started = False
+            self._started, self.state = False, "rebuilding"
             try:
-                self.shard_starts += 1
-                await self.shards.start()
-                self._started, self._healthy = True, True
+                await self._start_shards()
             except ShardFailure as again:
                 log.error("could not rebuild the shard group: %s", again)
-                self._healthy = False
+                self._healthy, self.state = False, "down"
+
+    async def _start_shards(self) -> None:
+        self.shard_starts += 1
+        await self.shards.start()
+        self.warm_up = getattr(self.shards, "warm_up_report", None) or {}
+        self._started, self._healthy, self.state = True, True, "ready"
+        if self.warm_up.get("graphs"):
+            log.info("ready: %s", describe_warm_up(self.warm_up))
 
     # ---- operations -----------------------------------------------------------------------------
     async def check_health(self) -> None:
@@ -222,8 +263,9 @@ class Coordinator:
         counters.add(self._retired)
         counters.add(s.counters)
         wall = time.monotonic() - self.started_at
-        return {"running": s.num_running, "waiting": s.num_waiting, "free_slots": s.free_slots,
-                "num_slots": self.num_slots, "shard_failures": self.failures,
+        return {"state": self.state, "running": s.num_running, "waiting": s.num_waiting, "free_slots": s.free_slots,
+                "num_slots": self.num_slots, "shard_failures": self.failures, "warm_up": self.warm_up,
+                "graphs": self.graphs.totals(),
                 "shard_restarts": max(self.shard_starts - 1, 0), **self.metrics.snapshot(),
                 "shard_pids": list(getattr(self.shards, "pids", [])), "shard_busy_s": self.shard_busy_s,
                 "counters": vars(counters).copy(), "derived": derived_metrics(counters, wall)}

@@ -14,13 +14,14 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from model.checkpoint import RunnerArgs
 from model.protocol import Command, Events
 from workers.failures import ShardFailure
 from workers.shard import ShardWorker
 
 
 class RayShards:
-    def __init__(self, tp: int, runner_args: dict, *, use_gpu: bool, name: str = "shard",
+    def __init__(self, tp: int, runner_args: RunnerArgs, *, use_gpu: bool, name: str = "shard",
                  start_timeout_s: float = 600.0, command_timeout_s: float = 120.0, collective_timeout_s: float = 60.0):
         self.tp, self.runner_args, self.use_gpu = tp, runner_args, use_gpu
         self.name, self.generation = name, 0  # actor names: <name>-<generation>-<rank>, for operators
@@ -28,6 +29,7 @@ class RayShards:
         self.collective_timeout_s = collective_timeout_s
         self.workers: list = []
         self.pids: list[int] = []   # of the live ranks, for operators (and the failure tests)
+        self.warm_up_report: dict = {}   # rank 0's (model.runner.Runner.warm_up)
 
     def _options(self, rank: int) -> dict:
         opts = {"num_gpus": 1, "num_cpus": 0} if self.use_gpu else {"num_cpus": 1}
@@ -47,7 +49,9 @@ class RayShards:
             address = await self._bounded(self.workers[0].rendezvous_address.remote(), self.start_timeout_s)
             await self._bounded(asyncio.gather(*[w.start.remote(address, self.collective_timeout_s)
                                                  for w in self.workers]), self.start_timeout_s)
-            await self._bounded(asyncio.gather(*[w.warm_up.remote() for w in self.workers]), self.start_timeout_s)
+            reports = await self._bounded(asyncio.gather(*[w.warm_up.remote() for w in self.workers]),
+                                          self.start_timeout_s)
+            self.warm_up_report = reports[0]
             self.pids = await self._bounded(asyncio.gather(*[w.pid.remote() for w in self.workers]), 30)
         except ShardFailure:
             self.stop()

@@ -1,6 +1,10 @@
 """The Coordinator as a Ray Serve deployment: one replica = one model instance = one placement group
 `[{"CPU": 1}] + [{"GPU": 1}] * tp` (bundle 0 holds this replica, bundles 1..tp its shards).
 
+Its constructor starts the shards: they load their weights, capture their CUDA graphs and compile their
+updates (model/runner.py Runner.warm_up) before Serve counts the replica as running, so nothing is
+captured or compiled while it serves; until then the ingress answers 503, warming up.
+
 Its streaming `generate` yields plain dicts so that errors reach the ingress as data, not as
 exceptions re-wrapped by Ray: {"output": RequestOutput} or {"error": kind, "message": ..., "param": ...}
 (`param`: the request's field at fault, or None).
@@ -11,6 +15,7 @@ from typing import AsyncIterator
 
 from ray import serve
 
+from model.checkpoint import RunnerArgs
 from model.sampling.params import DecodeParams
 from workers.coordinator import Coordinator, RequestError
 
@@ -22,17 +27,17 @@ def placement_bundles(tp: int, use_gpu: bool) -> list[dict]:
 @serve.deployment(name="Coordinator", max_ongoing_requests=10_000, health_check_period_s=10,
                   health_check_timeout_s=60, graceful_shutdown_timeout_s=5)
 class CoordinatorDeployment:
-    def __init__(self, model_dir: str, tp: int, use_gpu: bool, runner_args: dict, engine_args: dict,
-                 command_timeout_s: float = 120.0):
+    async def __init__(self, runner_args: RunnerArgs, tp: int, use_gpu: bool, engine_args: dict,
+                       command_timeout_s: float = 120.0):
         # Here, not at the top: the shards' code (torch, the runner) loads in the replica that starts
         # shards, not in every process that imports this module (the ingress, to bind the application).
         from workers.ray_shards import RayShards
 
-        runner_args = {"model_dir": model_dir, "device": "cuda" if use_gpu else "cpu", **runner_args}
         ctx = serve.get_replica_context()
         shards = RayShards(tp, runner_args, use_gpu=use_gpu, name=f"shard-{ctx.app_name}-{ctx.replica_id.unique_id}",
                            command_timeout_s=command_timeout_s)
-        self.coordinator = Coordinator(model_dir, shards, **engine_args)
+        self.coordinator = Coordinator(runner_args.checkpoint, shards, **engine_args)
+        await self.coordinator.start()
 
     async def generate(self, prompt: list[int], params: DecodeParams, request_id: str | None = None
                        ) -> AsyncIterator[dict]:

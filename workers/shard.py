@@ -13,7 +13,7 @@ import socket
 import ray
 import torch
 
-from model.checkpoint import Checkpoint, RunnerArgs
+from model.checkpoint import RunnerArgs
 from model.parallel.group import TPGroup
 from model.protocol import Command, Events
 from model.runner import Runner
@@ -23,16 +23,17 @@ from model.runner import Runner
 # in their own, so a health check answers while commands are queued behind the running one.
 @ray.remote(concurrency_groups={"health": 1})
 class ShardWorker:
-    def __init__(self, rank: int, world_size: int, runner_args: dict):
-        self.rank, self.world_size, self.args = rank, world_size, runner_args
+    def __init__(self, rank: int, world_size: int, runner_args: RunnerArgs):
+        self.rank, self.world_size = rank, world_size
         self.runner = None
-        if runner_args["device"].startswith("cuda"):
+        if runner_args.device.startswith("cuda"):
             # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU: it is device 0 here.
             torch.cuda.set_device(0)
             self.device = "cuda:0"
         else:
             self.device = "cpu"
             torch.set_num_threads(max(1, int(os.environ.get("DLLM_SHARD_THREADS", "1"))))
+        self.args = runner_args.model_copy(update={"device": self.device})
 
     def rendezvous_address(self) -> str:
         """tcp://<node ip>:<free port> (127.0.0.1 when everything is on one node)."""
@@ -50,17 +51,12 @@ class ShardWorker:
                 backend, init_method=rendezvous, rank=self.rank, world_size=self.world_size,
                 timeout=datetime.timedelta(seconds=collective_timeout_s))
             tp = TPGroup.from_default_group()
-        a = self.args
-        args = RunnerArgs(checkpoint=Checkpoint.read(a["model_dir"]), num_slots=a["num_slots"],
-                          max_model_len=a["max_model_len"], dtype=a["dtype"], device=self.device,
-                          load_format=a["load_format"], max_steps_per_command=a["max_steps_per_command"],
-                          batch_invariant=a["batch_invariant"])
-        self.runner = Runner.from_checkpoint(args, tp)
+        self.runner = Runner.from_checkpoint(self.args, tp)
         return True
 
-    def warm_up(self) -> float:
-        """Compiles the common steps' updates before serving (model/steps/compiled.py), not in a served
-        command. Its steps run collectives, so every rank is started first (RayShards.start)."""
+    def warm_up(self) -> dict:
+        """Captures the CUDA graphs and compiles the steps' updates before serving (Runner.warm_up), not in
+        a served command. Its steps run collectives, so every rank is started first (RayShards.start)."""
         return self.runner.warm_up()
 
     def execute(self, cmd: Command) -> Events | None:
