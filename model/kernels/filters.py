@@ -3,13 +3,20 @@ the raw logits' order-preserving keys.
 
 The values filters are decided on, v = softcap(x) (DiffusionGemma) or x / T (masked diffusion), are a
 non-decreasing function of the raw logit x, so the k-th largest v is v(the k-th largest x), and the
-largest v-threshold reaching a top-p mass is v(the largest x-threshold reaching it). The search can
-therefore run over the keys of x in its own precision: 16 bits for bf16 logits (four passes of four
-bits), 32 otherwise. Each pass is one kernel: per (row position, split of the vocabulary slice), the
-count (top-k) or probability mass (top-p, relative to a log-normaliser pass) of the entries at or
-above 16 candidate keys. Rows that ask for neither filter skip every pass. The threshold handed on is
-v(x_t), computed by `decided_value`, the same code the statistics kernels (model/kernels/vocab_stats.py)
-apply to every entry, so the entry x_t itself always passes its own threshold.
+largest v-threshold reaching a top-p mass is v(the largest x-threshold reaching it). The search runs
+over the keys of x in its own precision: 16 bits for bf16 logits (four passes of four bits), 32
+otherwise. A pass is one launch over (row position, split of the vocabulary slice): it first picks the
+digit the previous pass's totals decided (every split of a row reads the same totals, so all agree),
+then counts (top-k) or sums the probability (top-p) of its split's entries at or above 16 candidates.
+Between passes, with tensor parallelism, one SUM all-reduce makes the totals global. In all:
+
+    top-k   BITS/4 count passes
+    top-p   a log-normaliser pass over the top-k survivors, then BITS/4 mass passes
+    finish  the thresholds v(x_t), -inf for rows asking neither
+
+about ten launches whatever the batch asks; a row that asks for neither filter exits every pass at
+once. The threshold is computed by `decided_value`, the code the statistics kernels
+(model/kernels/vocab_stats.py) apply to every entry, so the entry x_t always passes its own threshold.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ from triton.language.extra import libdevice
 
 from model.kernels.launch import INTERPRETED
 from model.parallel.group import TPGroup
-from model.sampling.filters import CANDIDATES, key_values, radix_select
+from model.sampling.filters import CANDIDATES
 
 BLOCK = 1024
 SPLIT = 16384
@@ -63,30 +70,69 @@ def _logit_keys(x, BITS: tl.constexpr):
 
 
 @triton.jit
-def _filter_pass_kernel(x_ptr, temp_ptr, active_ptr, prefix_ptr, thr_ptr, norm_ptr, out_ptr,
-                        P, V, splits, shift, softcap,
-                        MODE: tl.constexpr, BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+def _key_logit(key, BITS: tl.constexpr):
+    """The fp32 logit of a key of _logit_keys."""
+    ordered = (key << (32 - BITS)).to(tl.int32)
+    return tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _chosen(totals_ptr, n, splits, target, NC: tl.constexpr, SPLITS_P2: tl.constexpr):
+    """The digit a pass's totals decide for row position n: the largest candidate whose total (over the
+    splits) reaches the target, 0 if none; and whether candidate 0 (everything above the prefix) did."""
+    s = tl.arange(0, SPLITS_P2)
+    d = tl.arange(0, NC)
+    parts = tl.load(totals_ptr + (n * splits + s[:, None]) * NC + d[None, :], mask=s[:, None] < splits, other=0.0)
+    ok = tl.sum(parts, 0) >= target
+    return tl.maximum(tl.sum(ok.to(tl.int32), 0) - 1, 0), tl.sum(tl.where(d == 0, ok.to(tl.int32), 0), 0) > 0
+
+
+@triton.jit
+def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_ptr, out_ptr, xk_ptr, norm_ptr,
+                        P, V, splits, norm_splits, softcap,
+                        MODE: tl.constexpr, PASS: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
+                        HAS_SOFTCAP: tl.constexpr,
                         ON_SCALED: tl.constexpr, INTERPRETED: tl.constexpr, NC: tl.constexpr,
-                        SPLIT_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """MODE COUNT: out[n, split, d] = entries with key >= prefix[n] + d << shift;
-    LOG_NORM: out[n, split, 0:2] = (max, sum exp(v - max)) of the top-k survivors' values;
-    MASS: out[n, split, d] = their probability mass (exp(v - norm[n])) at keys >= prefix[n] + d << shift."""
+                        SPLITS_P2: tl.constexpr, NORM_SPLITS_P2: tl.constexpr, SPLIT_SIZE: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr):
+    """COUNT pass PASS: out[n, split, d] = entries with key >= prefix + d << shift; LOG_NORM: out[n, split,
+    0:2] = (max, sum exp(v - max)) of the top-k survivors' values (and xk[n] = the top-k threshold's
+    logit); MASS pass PASS: out[n, split, d] = their probability mass at keys >= prefix + d << shift.
+    prev: the previous pass's totals (PASS > 0); prefix[PASS - 1] the prefix they were counted at."""
     n = tl.program_id(0)
     split = tl.program_id(1)
     row = n // P
-    active = tl.load(active_ptr + row)
+    k = tl.load(top_k_ptr + row)
+    p = tl.load(top_p_ptr + row)
+    active = (k > 0) if MODE == COUNT else (p < 1)
     d = tl.arange(0, NC)
     acc = tl.zeros((NC,), dtype=tl.float32)
     m = tl.full((), -float("inf"), tl.float32)
     z = tl.zeros((), tl.float32)
-    if active != 0:
+    if active:
         temp = tl.load(temp_ptr + row)
         t_eff = tl.where(temp > 0, temp, 1.0)
-        candidates = tl.load(prefix_ptr + n) + (d.to(tl.int64) << shift)
+        if MODE == COUNT:
+            target = k.to(tl.float32)
+        else:
+            target = p
+        prefix = tl.full((), -(1 << (BITS - 1)), tl.int64)
+        if PASS > 0:
+            digit, _ = _chosen(prev_ptr, n, splits, target, NC, SPLITS_P2)
+            prefix = tl.load(prefix_ptr + (PASS - 1) * tl.num_programs(0) + n) + (digit.to(tl.int64) << (SHIFT + 4))
+        if split == 0:
+            tl.store(prefix_ptr + PASS * tl.num_programs(0) + n, prefix)
+        candidates = prefix + (d.to(tl.int64) << SHIFT)
         if MODE != COUNT:
-            thr = decided_value(tl.load(thr_ptr + n), t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
+            thr = decided_value(tl.load(xk_ptr + n), t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
         if MODE == MASS:
-            norm = tl.load(norm_ptr + n)
+            s = tl.arange(0, NORM_SPLITS_P2)
+            inside_s = s < norm_splits
+            ms = tl.load(norm_ptr + (n * norm_splits + s) * NC, mask=inside_s, other=-float("inf"))
+            zs = tl.load(norm_ptr + (n * norm_splits + s) * NC + 1, mask=inside_s, other=0.0)
+            top = tl.max(ms, 0)
+            safe = tl.where(top == -float("inf"), 0.0, top)
+            norm = safe + tl.log(tl.sum(tl.where(zs > 0, zs * tl.exp(ms - safe), 0.0), 0))
         row_ptr = x_ptr + n.to(tl.int64) * V
         start = split * SPLIT_SIZE
         for off in range(0, SPLIT_SIZE, BLOCK_SIZE):
@@ -94,21 +140,20 @@ def _filter_pass_kernel(x_ptr, temp_ptr, active_ptr, prefix_ptr, thr_ptr, norm_p
             inside = cols < V
             x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
             if MODE == COUNT:
-                keys = _logit_keys(x, BITS)
-                at = (keys[:, None] >= candidates[None, :]) & inside[:, None]
+                at = (_logit_keys(x, BITS)[:, None] >= candidates[None, :]) & inside[:, None]
                 acc += tl.sum(at.to(tl.float32), 0)
             else:
                 v = decided_value(x, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
                 v = tl.where(inside & (v >= thr), v, -float("inf"))
                 if MODE == LOG_NORM:
                     new_m = tl.maximum(m, tl.max(v, 0))
-                    safe = tl.where(new_m == -float("inf"), 0.0, new_m)
-                    z = z * tl.exp(tl.where(m == -float("inf"), -float("inf"), m - safe)) + tl.sum(tl.exp(v - safe), 0)
+                    safe_m = tl.where(new_m == -float("inf"), 0.0, new_m)
+                    z = z * tl.exp(m - safe_m) + tl.sum(tl.exp(v - safe_m), 0)
                     m = new_m
                 else:
-                    p = tl.exp(v - norm)
-                    keys = _logit_keys(x, BITS)
-                    acc += tl.sum(tl.where(keys[:, None] >= candidates[None, :], p[:, None], 0.0), 0)
+                    mass = tl.exp(v - norm)
+                    at = _logit_keys(x, BITS)[:, None] >= candidates[None, :]
+                    acc += tl.sum(tl.where(at, mass[:, None], 0.0), 0)
     out = (n * splits + split) * NC
     if MODE == LOG_NORM:
         tl.store(out_ptr + out + d, tl.where(d == 0, m, tl.where(d == 1, z, 0.0)))
@@ -117,15 +162,36 @@ def _filter_pass_kernel(x_ptr, temp_ptr, active_ptr, prefix_ptr, thr_ptr, norm_p
 
 
 @triton.jit
-def _finish_kernel(x_ptr, temp_ptr, out_ptr, P, softcap, HAS_SOFTCAP: tl.constexpr, ON_SCALED: tl.constexpr,
-                   INTERPRETED: tl.constexpr):
-    """out[n] = v(x[n]) (-inf stays -inf): a threshold in the space the filters are decided in."""
+def _top_k_logit_kernel(top_k_ptr, totals_ptr, first_ptr, prefix_ptr, xk_ptr, P, splits, last,
+                        BITS: tl.constexpr, NC: tl.constexpr, SPLITS_P2: tl.constexpr):
+    """xk[n]: the k-th largest logit of row position n (-inf where the row asks no top-k, or more than the
+    vocabulary), from the last count pass."""
     n = tl.program_id(0)
-    temp = tl.load(temp_ptr + n // P)
+    k = tl.load(top_k_ptr + n // P)
+    digit, _ = _chosen(totals_ptr, n, splits, k.to(tl.float32), NC, SPLITS_P2)
+    _, reached = _chosen(first_ptr, n, splits, k.to(tl.float32), NC, SPLITS_P2)   # k entries at all
+    key = tl.load(prefix_ptr + last * tl.num_programs(0) + n) + digit.to(tl.int64)
+    tl.store(xk_ptr + n, tl.where((k > 0) & reached, _key_logit(key, BITS), -float("inf")))
+
+
+@triton.jit
+def _finish_kernel(temp_ptr, top_p_ptr, xk_ptr, totals_ptr, first_ptr, prefix_ptr, out_ptr, P, splits, last,
+                   softcap, BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ON_SCALED: tl.constexpr,
+                   INTERPRETED: tl.constexpr, NC: tl.constexpr, SPLITS_P2: tl.constexpr):
+    """out[n]: the threshold v(max(top-k logit, top-p logit)), -inf for a row asking neither filter."""
+    n = tl.program_id(0)
+    row = n // P
+    p = tl.load(top_p_ptr + row)
+    temp = tl.load(temp_ptr + row)
     t_eff = tl.where(temp > 0, temp, 1.0)
-    x = tl.load(x_ptr + n)
-    v = decided_value(x, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
-    tl.store(out_ptr + n, tl.where(x == -float("inf"), -float("inf"), v))
+    raw = tl.load(xk_ptr + n)
+    if p < 1:
+        digit, _ = _chosen(totals_ptr, n, splits, p, NC, SPLITS_P2)
+        _, reached = _chosen(first_ptr, n, splits, p, NC, SPLITS_P2)   # the whole mass reaches p
+        key = tl.load(prefix_ptr + last * tl.num_programs(0) + n) + digit.to(tl.int64)
+        raw = tl.where(reached, tl.maximum(raw, _key_logit(key, BITS)), raw)
+    v = decided_value(raw, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
+    tl.store(out_ptr + n, tl.where(raw == -float("inf"), -float("inf"), v))
 
 
 def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -133,51 +199,48 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
                      on_scaled: bool = True) -> torch.Tensor:
     """model.sampling.filters.torch_threshold's contract on CUDA (and the interpreter)."""
     R, P, V = x.shape
+    RP, dev = R * P, x.device
     x = x.contiguous()
     bits = 16 if x.dtype == torch.bfloat16 else 32
+    passes = bits // 4
     splits = triton.cdiv(V, SPLIT)
     temp = temperature.float().contiguous()
-    kw = dict(HAS_SOFTCAP=softcap is not None, ON_SCALED=on_scaled, INTERPRETED=INTERPRETED)
+    top_k, top_p = top_k.contiguous(), top_p.float().contiguous()
+    flags = dict(BITS=bits, HAS_SOFTCAP=softcap is not None, ON_SCALED=on_scaled, INTERPRETED=INTERPRETED,
+                 NC=CANDIDATES, SPLITS_P2=triton.next_power_of_2(splits))
     cap = float(softcap or 1.0)
+    counts = torch.empty(passes, RP, splits, CANDIDATES, device=dev)
+    masses = torch.empty_like(counts)
+    norm = torch.empty(RP, splits, CANDIDATES, device=dev)
+    prefix_k = torch.empty(passes, RP, dtype=torch.int64, device=dev)
+    prefix_p = torch.empty_like(prefix_k)
+    xk = torch.empty(RP, device=dev)
 
-    def run(mode, active, prefix, thr, norm, shift=0):
-        out = torch.empty(R * P, splits, CANDIDATES, dtype=torch.float32, device=x.device)
-        _filter_pass_kernel[(R * P, splits)](x, temp, active, prefix, thr, norm, out, P, V, splits, shift, cap,
-                                             MODE=mode, BITS=bits, NC=CANDIDATES, SPLIT_SIZE=min(SPLIT, V),
-                                             BLOCK_SIZE=min(BLOCK, triton.next_power_of_2(V)), num_warps=4, **kw)
-        return out
+    def run(mode, i, prev, prefix, out, norm_in, norm_splits):
+        _filter_pass_kernel[(RP, splits)](
+            x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, P, V, splits, norm_splits, cap, MODE=mode,
+            PASS=i, SHIFT=bits - 4 * (i + 1), NORM_SPLITS_P2=triton.next_power_of_2(norm_splits), SPLIT_SIZE=min(SPLIT, V),
+            BLOCK_SIZE=min(BLOCK, triton.next_power_of_2(V)), num_warps=4, **flags)
+        tp.all_reduce(out)   # a count or a mass: the totals over ranks (the log-normaliser is combined below)
 
-    none = torch.full((R * P,), -torch.inf, device=x.device)
-    dummy = torch.zeros(R * P, dtype=torch.int64, device=x.device)
-
-    def totals(active, thr, norm, mode):
-        def at_least(candidates, shift):
-            prefix = candidates[..., 0].reshape(-1).contiguous()
-            return run(mode, active, prefix, thr, norm, shift).sum(1, dtype=torch.float64).view(R, P, CANDIDATES)
-        return at_least
-
-    # top-k: the k-th largest logit's key (rows asking none, or more than the vocabulary, keep all)
-    k_active = (top_k > 0).to(torch.int32).contiguous()
-    target = top_k.clamp(min=1).to(torch.float64).view(R, 1).expand(R, P)
-    key_k, reached_k = radix_select(totals(k_active, none, none, COUNT), target, bits, (R, P), tp, x.device)
-    x_k = torch.where((top_k > 0).view(R, 1) & reached_k, _key_logits(key_k, bits), -torch.inf).reshape(-1).contiguous()
-    # top-p over the top-k survivors: their log-normaliser, then the mass search
-    p_active = (top_p < 1).to(torch.int32).contiguous()
-    parts = run(LOG_NORM, p_active, dummy, x_k, none)[..., :2]                      # [R*P, splits, 2]
-    m_local = parts[..., 0].amax(1)
-    m = tp.all_reduce(m_local, torch.distributed.ReduceOp.MAX)
-    safe = torch.where(torch.isfinite(m), m, 0.0)
-    z = tp.all_reduce((parts[..., 1] * torch.exp(parts[..., 0] - safe[:, None])).nan_to_num(0.0).sum(1))
-    norm = (safe + torch.log(z)).contiguous()
-    target = top_p.to(torch.float64).view(R, 1).expand(R, P)
-    key_p, reached_p = radix_select(totals(p_active, x_k, norm, MASS), target, bits, (R, P), tp, x.device)
-    x_p = torch.where((top_p < 1).view(R, 1) & reached_p, _key_logits(key_p, bits), -torch.inf).reshape(-1)
-    raw = torch.maximum(x_k, x_p).contiguous()
-    out = torch.empty(R * P, dtype=torch.float32, device=x.device)
-    _finish_kernel[(R * P,)](raw, temp, out, P, cap, **kw)
+    for i in range(passes):
+        run(COUNT, i, counts[i - 1] if i else counts[0], prefix_k, counts[i], norm, 1)
+    _top_k_logit_kernel[(RP,)](top_k, counts[-1], counts[0], prefix_k, xk, P, splits, passes - 1, BITS=bits,
+                               NC=CANDIDATES, SPLITS_P2=triton.next_power_of_2(splits))
+    _filter_pass_kernel[(RP, splits)](
+        x, temp, top_k, top_p, counts[0], prefix_p, norm, xk, norm, P, V, splits, 1, cap, MODE=LOG_NORM, PASS=0,
+        SHIFT=bits - 4, NORM_SPLITS_P2=1, SPLIT_SIZE=min(SPLIT, V), BLOCK_SIZE=min(BLOCK, triton.next_power_of_2(V)), num_warps=4,
+        **flags)
+    norm_in, norm_splits = norm, splits
+    if tp.is_parallel:   # (max, sum) pairs combine by rescaling, not by a plain sum: over the ranks here
+        m = tp.all_reduce(norm[..., 0].amax(1), torch.distributed.ReduceOp.MAX)
+        safe = torch.where(torch.isfinite(m), m, 0.0)
+        z = tp.all_reduce((norm[..., 1] * torch.exp(norm[..., 0] - safe[:, None])).nan_to_num(0.0).sum(1))
+        norm_in, norm_splits = torch.stack([m, z], -1).reshape(RP, 1, 2), 1
+        norm_in = torch.nn.functional.pad(norm_in, (0, CANDIDATES - 2))
+    for i in range(passes):
+        run(MASS, i, masses[i - 1] if i else masses[0], prefix_p, masses[i], norm_in, norm_splits)
+    out = torch.empty(RP, dtype=torch.float32, device=dev)
+    _finish_kernel[(RP,)](temp, top_p, xk, masses[-1], masses[0], prefix_p, out, P, splits, passes - 1, cap,
+                          **flags)
     return out.view(R, P)
-
-
-def _key_logits(keys: torch.Tensor, bits: int) -> torch.Tensor:
-    """The fp32 logit of each key of _logit_keys (bf16 keys widen exactly)."""
-    return key_values(keys, torch.bfloat16 if bits == 16 else torch.float32).float()
