@@ -31,7 +31,7 @@ from model.sampling.filters import CANDIDATES
 
 BLOCK = 1024
 SPLIT = 16384
-COUNT, LOG_NORM, MASS = 0, 1, 2
+COUNT, LOG_NORM, MASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)   # the pass kinds (constexprs: kernels read them)
 
 
 @triton.jit
@@ -218,7 +218,7 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 
     def run(mode, i, prev, prefix, out, norm_in, norm_splits):
         _filter_pass_kernel[(RP, splits)](
-            x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, P, V, splits, norm_splits, cap, MODE=mode,
+            x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, P, V, splits, norm_splits, cap, MODE=mode.value,
             PASS=i, SHIFT=bits - 4 * (i + 1), NORM_SPLITS_P2=triton.next_power_of_2(norm_splits), SPLIT_SIZE=min(SPLIT, V),
             BLOCK_SIZE=min(BLOCK, triton.next_power_of_2(V)), num_warps=4, **flags)
         tp.all_reduce(out)   # a count or a mass: the totals over ranks (the log-normaliser is combined below)
@@ -228,7 +228,7 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     _top_k_logit_kernel[(RP,)](top_k, counts[-1], counts[0], prefix_k, xk, P, splits, passes - 1, BITS=bits,
                                NC=CANDIDATES, SPLITS_P2=triton.next_power_of_2(splits))
     _filter_pass_kernel[(RP, splits)](
-        x, temp, top_k, top_p, counts[0], prefix_p, norm, xk, norm, P, V, splits, 1, cap, MODE=LOG_NORM, PASS=0,
+        x, temp, top_k, top_p, counts[0], prefix_p, norm, xk, norm, P, V, splits, 1, cap, MODE=LOG_NORM.value, PASS=0,
         SHIFT=bits - 4, NORM_SPLITS_P2=1, SPLIT_SIZE=min(SPLIT, V), BLOCK_SIZE=min(BLOCK, triton.next_power_of_2(V)), num_warps=4,
         **flags)
     norm_in, norm_splits = norm, splits
