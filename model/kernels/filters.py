@@ -29,7 +29,7 @@ from model.kernels.launch import INTERPRETED
 from model.parallel.group import TPGroup
 from model.sampling.filters import CANDIDATES
 
-BLOCK = 1024
+BLOCK = 256      # a tile's [BLOCK, 16] candidates' totals stay in registers
 SPLIT = 16384
 COUNT, LOG_NORM, MASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)   # the pass kinds (constexprs: kernels read them)
 
@@ -106,7 +106,8 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
     p = tl.load(top_p_ptr + row)
     active = (k > 0) if MODE == COUNT else (p < 1)
     d = tl.arange(0, NC)
-    acc = tl.zeros((NC,), dtype=tl.float32)
+    # per-lane totals, summed across lanes once after the loop (a cross-lane sum every tile cost more)
+    acc = tl.zeros((BLOCK_SIZE, NC), dtype=tl.float32)
     m = tl.full((), -float("inf"), tl.float32)
     z = tl.zeros((), tl.float32)
     if active:
@@ -141,7 +142,7 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
             x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
             if MODE == COUNT:
                 at = (_logit_keys(x, BITS)[:, None] >= candidates[None, :]) & inside[:, None]
-                acc += tl.sum(at.to(tl.float32), 0)
+                acc += at.to(tl.float32)
             else:
                 v = decided_value(x, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
                 v = tl.where(inside & (v >= thr), v, -float("inf"))
@@ -153,12 +154,12 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
                 else:
                     mass = tl.exp(v - norm)
                     at = _logit_keys(x, BITS)[:, None] >= candidates[None, :]
-                    acc += tl.sum(tl.where(at, mass[:, None], 0.0), 0)
+                    acc += tl.where(at, mass[:, None], 0.0)
     out = (n * splits + split) * NC
     if MODE == LOG_NORM:
         tl.store(out_ptr + out + d, tl.where(d == 0, m, tl.where(d == 1, z, 0.0)))
     else:
-        tl.store(out_ptr + out + d, acc)
+        tl.store(out_ptr + out + d, tl.sum(acc, 0))
 
 
 @triton.jit
