@@ -95,9 +95,11 @@ class RenoiseCanvasStep:
             softcap=r.model.logit_softcap, passes=r.sampler.passes, probs_dtype=self.soft.dtype)
         r.observe("before", "canvas", idx, x)
         scores = None
-        if plan.scored:   # the converged step's distribution scores the committed argmax tokens (SPEC.md 6)
+        if plan.scored:   # the converged step's distribution scores the committed argmax tokens (SPEC.md 6):
+            # only a row converging now keeps its scores, so only those read the vocabulary for them
             x_tok = value_at(x[scored], step.argmax[scored], r.model.vocab_start, r.tp)
-            scores = r.sampler.scores(x, step.stats, x_tok, scored, plan.top_logprobs, idx)
+            scores = r.sampler.scores(x, step.stats, x_tok, scored, plan.top_logprobs, idx,
+                                      needed=step.converged[scored])
         soft = r.model.soft_embedding(step.probs) if self.self_conditioning else None
         self.update(plan, idx, scored, step, scores, soft)
         r.observe("after", "canvas", idx)

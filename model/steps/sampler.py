@@ -38,16 +38,19 @@ class RowSampler:
                                      softcap=self.softcap, on_scaled=self.filter_on_scaled)
 
     def scores(self, x: torch.Tensor, stats: S.VocabStats, x_tok: torch.Tensor, rows: torch.Tensor,
-               k: int, idx: torch.Tensor) -> Scores:
+               k: int, idx: torch.Tensor, needed: torch.Tensor | None = None) -> Scores:
         """Scores (SPEC.md 6) for the scored rows `rows` [B'] (of the step's rows idx) of the tokens whose raw
         logits are x_tok [B', P]: logprob under softmax(s), rank = 1 + entries with a larger logit, and the
-        top k alternatives. A row whose request asked no scores (in a graph's plan, which scores every row)
-        gets none computed: its values mean nothing and nothing reads them."""
+        top k alternatives. A row whose request asked no scores (in a graph's plan, which scores every row),
+        or where `needed` [B'] is False, gets none computed: its values mean nothing and nothing reads them."""
         xs = x[rows]
         temp = stats.temperature[rows].view(-1, 1)
         lse_s = stats.lse_s[rows]
         logprob = S.unscaled(x_tok, self.softcap) / temp - lse_s
-        counts, keys = self.passes.rank_top_k(xs, x_tok, k, self.vocab_start, asked=self.slots.logprobs[idx[rows]])
+        asked = self.slots.logprobs[idx[rows]]
+        if needed is not None:
+            asked = torch.where(needed, asked, -1)
+        counts, keys = self.passes.rank_top_k(xs, x_tok, k, self.vocab_start, asked=asked)
         rank = 1 + self.tp.all_reduce(counts)
         if not k:
             return Scores(logprob, rank)
