@@ -62,17 +62,17 @@ def decided_value(x, t_eff, softcap, HAS_SOFTCAP: tl.constexpr, ON_SCALED: tl.co
 
 @triton.jit
 def _logit_keys(x, BITS: tl.constexpr):
-    """Order-preserving int32 keys of fp32 x in the logits' own BITS-bit precision (bf16 values in fp32
+    """Order-preserving int64 keys of fp32 x in the logits' own BITS-bit precision (bf16 values in fp32
     are their 16 bits shifted up), -0 as +0."""
     bits = x.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) >> (32 - BITS)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) >> (32 - BITS)
     return tl.where(ordered == -1, 0, ordered)
 
 
 @triton.jit
 def _key_logit(key, BITS: tl.constexpr):
-    """The fp32 logit of a key of _logit_keys (int32)."""
-    ordered = key << (32 - BITS)
+    """The fp32 logit of a key of _logit_keys."""
+    ordered = (key << (32 - BITS)).to(tl.int32)
     return tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
 
 
@@ -106,11 +106,8 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
     p = tl.load(top_p_ptr + row)
     active = (k > 0) if MODE == COUNT else (p < 1)
     d = tl.arange(0, NC)
-    # per-lane totals, summed across lanes once after the loop (a cross-lane sum every tile cost more);
-    # after the first pass only the entries in the prefix's range [prefix, upper) need a digit, those
-    # above it count for every candidate: a tile with none in range skips the 16-candidate work
+    # per-lane totals, summed across lanes once after the loop (a cross-lane sum every tile cost more)
     acc = tl.zeros((BLOCK_SIZE, NC), dtype=tl.float32)
-    above = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
     m = tl.full((), -float("inf"), tl.float32)
     z = tl.zeros((), tl.float32)
     if active:
@@ -126,8 +123,7 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
             prefix = tl.load(prefix_ptr + (PASS - 1) * tl.num_programs(0) + n) + (digit.to(tl.int64) << (SHIFT + 4))
         if split == 0:
             tl.store(prefix_ptr + PASS * tl.num_programs(0) + n, prefix)
-        upper = prefix + (NC << SHIFT)            # int64: the top range's end is 2^31
-        candidates = (prefix + (d.to(tl.int64) << SHIFT)).to(tl.int32)
+        candidates = prefix + (d.to(tl.int64) << SHIFT)
         if MODE != COUNT:
             thr = decided_value(tl.load(xk_ptr + n), t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
         if MODE == MASS:
@@ -145,15 +141,8 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
             inside = cols < V
             x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
             if MODE == COUNT:
-                keys = _logit_keys(x, BITS)
-                if PASS == 0:
-                    acc += ((keys[:, None] >= candidates[None, :]) & inside[:, None]).to(tl.float32)
-                else:
-                    high = keys.to(tl.int64) >= upper
-                    above += (high & inside).to(tl.float32)
-                    in_range = inside & (keys.to(tl.int64) >= prefix) & ~high
-                    if tl.sum(in_range.to(tl.int32), 0) > 0:
-                        acc += ((keys[:, None] >= candidates[None, :]) & in_range[:, None]).to(tl.float32)
+                at = (_logit_keys(x, BITS)[:, None] >= candidates[None, :]) & inside[:, None]
+                acc += at.to(tl.float32)
             else:
                 v = decided_value(x, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
                 v = tl.where(inside & (v >= thr), v, -float("inf"))
@@ -164,20 +153,13 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
                     m = new_m
                 else:
                     mass = tl.exp(v - norm)
-                    keys = _logit_keys(x, BITS)
-                    if PASS == 0:
-                        acc += tl.where(keys[:, None] >= candidates[None, :], mass[:, None], 0.0)
-                    else:
-                        high = keys.to(tl.int64) >= upper
-                        above += tl.where(high, mass, 0.0)
-                        in_range = (keys.to(tl.int64) >= prefix) & ~high
-                        if tl.sum(in_range.to(tl.int32), 0) > 0:
-                            acc += tl.where((keys[:, None] >= candidates[None, :]) & in_range[:, None], mass[:, None], 0.0)
+                    at = _logit_keys(x, BITS)[:, None] >= candidates[None, :]
+                    acc += tl.where(at, mass[:, None], 0.0)
     out = (n * splits + split) * NC
     if MODE == LOG_NORM:
         tl.store(out_ptr + out + d, tl.where(d == 0, m, tl.where(d == 1, z, 0.0)))
     else:
-        tl.store(out_ptr + out + d, tl.sum(acc, 0) + tl.sum(above, 0))
+        tl.store(out_ptr + out + d, tl.sum(acc, 0))
 
 
 @triton.jit
@@ -190,7 +172,7 @@ def _top_k_logit_kernel(top_k_ptr, totals_ptr, first_ptr, prefix_ptr, xk_ptr, P,
     digit, _ = _chosen(totals_ptr, n, splits, k.to(tl.float32), NC, SPLITS_P2)
     _, reached = _chosen(first_ptr, n, splits, k.to(tl.float32), NC, SPLITS_P2)   # k entries at all
     key = tl.load(prefix_ptr + last * tl.num_programs(0) + n) + digit.to(tl.int64)
-    tl.store(xk_ptr + n, tl.where((k > 0) & reached, _key_logit(key.to(tl.int32), BITS), -float("inf")))
+    tl.store(xk_ptr + n, tl.where((k > 0) & reached, _key_logit(key, BITS), -float("inf")))
 
 
 @triton.jit
@@ -208,7 +190,7 @@ def _finish_kernel(temp_ptr, top_p_ptr, xk_ptr, totals_ptr, first_ptr, prefix_pt
         digit, _ = _chosen(totals_ptr, n, splits, p, NC, SPLITS_P2)
         _, reached = _chosen(first_ptr, n, splits, p, NC, SPLITS_P2)   # the whole mass reaches p
         key = tl.load(prefix_ptr + last * tl.num_programs(0) + n) + digit.to(tl.int64)
-        raw = tl.where(reached, tl.maximum(raw, _key_logit(key.to(tl.int32), BITS)), raw)
+        raw = tl.where(reached, tl.maximum(raw, _key_logit(key, BITS)), raw)
     v = decided_value(raw, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
     tl.store(out_ptr + n, tl.where(raw == -float("inf"), -float("inf"), v))
 
