@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -77,6 +78,9 @@ def test_traffic_measures_a_tiny_server_from_its_cold_start(tiny_nemotron, tmp_p
     log = opts.log.read_text().splitlines()
     assert log[1] == "# " + " ".join(result["server_command"]) and any(READY_LINE in line for line in log)
     assert all(re.match(r" *\d+\.\d{3} \d\d:\d\d:\d\d\.\d{3} \| ", line) for line in log[2:])  # stamped
+    deadline = time.monotonic() + 15   # killed processes take a moment to go
+    while _group_members(result["server_pid"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert _group_members(result["server_pid"]) == []   # the server and its Ray are gone
 
 
