@@ -41,7 +41,8 @@ serve: $(STAMP)
 	MODEL="$(MODEL)" TP="$(TP)" PORT="$(PORT)" $(PY) scripts/serve_local.py $(ARGS)
 
 # On the GPU host, like test-gpu: the roofline ratios of the README's speed table from one run (about
-# 6-7.5 minutes on one H200; Ray from the offline bundle for the served measurement).
+# 6-7.5 minutes on one H200 without the traffic rows, ARGS="--skip traffic"; they add 4-6 minutes a family,
+# so one call of at most 10 minutes takes ARGS="--skip gemma" or "--skip nemotron"; Ray from the offline bundle).
 bench:
 	python3 -m benchmarks.roofline $(ARGS)
 

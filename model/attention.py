@@ -190,9 +190,8 @@ def ring_view(kv: LayeredKVCache, slot: torch.Tensor, start: torch.Tensor, lengt
 
 _current: ContextVar[StepContext | None] = ContextVar("step_context", default=None)
 # Steps after a prefill on CUDA read the cache in place through model.kernels.attention instead of
-# gathering it for a masked SDPA (on an H200, 8B shapes, the cache write included: 20 against 53 us a
-# layer at batch 1, 57 against 166 at batch 16). DLLM_TRITON_ATTENTION=0 (or triton_attention(False))
-# turns it off.
+# gathering it for a masked SDPA, about 3x faster (README, "Where the time goes").
+# DLLM_TRITON_ATTENTION=0 (or triton_attention(False)) turns it off.
 _triton = os.environ.get("DLLM_TRITON_ATTENTION", "1") != "0"
 
 
@@ -277,9 +276,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
     if q.is_cuda and (q.shape[-1] > 256 or batch_invariant.enabled() or (sliding and q.shape[0] == 1)):
         # flash and cuDNN take head_dim <= 256; the memory-efficient kernel (GQA heads repeated for it)
-        # beats the math fallback ~3x at DiffusionGemma's 512 (0.24 against 0.65 ms on an H200). It is
-        # also the batch-invariant one (per query block, keys in order), and with a mask over a sliding
-        # layer's ring at batch 1 it takes 0.66x cuDNN's time (1.2x at batch 4)
+        # beats the math fallback at DiffusionGemma's 512. It is also the batch-invariant one (per query
+        # block, keys in order), and with a mask over a sliding layer's ring at batch 1 it is faster than
+        # cuDNN (README, "Where the time goes")
         repeat = q.shape[1] // keys.shape[1]
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
             out = F.scaled_dot_product_attention(q, keys.repeat_interleave(repeat, 1),

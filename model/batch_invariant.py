@@ -79,7 +79,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, rows: torch.Tensor | None = None,
                    tile_map: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """The fixed-order grouped matmul: model.diffusion_gemma's experts in the mode, and outside it where
+    """The fixed-order grouped matmul: model.moe's experts in the mode, and outside it where
     each expert has few rows (there it reads the weights faster than grouped_mm); `rows` gathers x's rows
     in the kernel, `tile_map` is the routing's (else made here)."""
     return _kernels().grouped_matmul(x, w, ends, rows, tile_map)
