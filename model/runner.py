@@ -10,9 +10,11 @@ command ends: then model/outputs.py copies every slot's emitted tokens and score
 the slots' lengths and phases in one synchronisation. A slot that finishes mid-command (max_tokens,
 an EOS) turns `done` on the device and idles until the command ends; the events carry each slot's
 bound on the steps it can still run (model/phases.py), by which the scheduler sizes the next command
-so that few steps are spent on idle rows. On CUDA each step replays a graph (model/graphs.py), and a
-canvas step's state update is compiled into a few fused kernels (model/steps/compiled.py; `warm_up`
-compiles the common plans before a shard serves). A runner made with `batch_invariant=True` runs
+so that few steps are spent on idle rows. On CUDA each step replays a graph of a closed set
+(model/graphs.py: its batch padded to a capture size, its plan one with every pass on, so that request
+options are data), and a canvas step's state update is compiled into a few fused kernels
+(model/steps/compiled.py); `warm_up` captures and compiles them all before a shard serves. A runner
+made with `batch_invariant=True` runs
 each command, captures included, in model.batch_invariant's mode: a slot's results are then the same
 bits whatever shares its batch.
 """

@@ -51,7 +51,7 @@ def test_reductions_hand_checked():
                       [0.0, 0.0, 0.0, 0.0, 0.0]])
     assert VR.argmax(x, 0, TP1).tolist() == [1, 2, 0]
     assert VR.argmax(x, 10, TP1).tolist() == [11, 12, 10]  # vocab_start offsets the ids
-    values, ids = R.topk(x, 3, 0, TP1)
+    values, ids = VR.topk(x, 3, 0, TP1)
     assert ids.tolist() == [[1, 3, 4], [2, 0, 1], [0, 1, 2]]
     assert values[0].tolist() == [3.0, 3.0, 2.0] and values[1, 1:].tolist() == [-torch.inf] * 2
     assert VR.count_greater(x, torch.tensor([2.0, -torch.inf, 0.0]), TP1).tolist() == [2, 1, 0]
@@ -76,7 +76,7 @@ def test_logsumexp_and_entropy_do_not_overflow():
 
 def test_topk_wider_than_the_vocabulary_pads():
     x = torch.tensor([[0.5, 2.0, 1.0]])
-    values, ids = R.topk(x, 5, 0, TP1)
+    values, ids = VR.topk(x, 5, 0, TP1)
     assert values.tolist() == [[2.0, 1.0, 0.5, -torch.inf, -torch.inf]]
     assert ids[0, :3].tolist() == [1, 2, 0]
 

@@ -250,7 +250,7 @@ def sharded_reductions(x_full: torch.Tensor, k: int, ids: list[torch.Tensor], tp
         "logsumexp": R.logsumexp(x, tp),
         "entropy": VR.entropy(x, tp),
         "argmax": VR.argmax(x, v0, tp),
-        "topk": R.topk(x, k, v0, tp),
+        "topk": VR.topk(x, k, v0, tp),
         "gather_vocab": VR.gather_vocab(x, x_full.shape[-1], tp),
     }
     thresholds = []

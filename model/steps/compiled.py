@@ -7,14 +7,14 @@ Compiled (inductor, dynamic shapes, no graph break allowed) they are a handful o
 update holds no collective and no host read, so it compiles whole; the forward, the sampler's vocabulary
 passes and the all-reduces stay outside it.
 
-An update compiles on its first call with a new kind of plan (one row or several; which scores the
-sampler produced; drafts): 15-40 s on the H200 with a cold cache (inductor's on-disk cache makes a
-restart compile less). A served step must not stall that long, so a shard compiles before it serves (`Runner.warm_up`:
-one row and two, none, one or all scored at k = 2) and then `freeze`s: from then on a plan with no
-compiled update runs it as written (the same results, as fast as before compiling existed). To keep
-the variants few, a compiled masked step computes every reveal policy and the early stop for all rows
-(each row keeps its own), and k comes from the scores' shape, so the five warm variants serve any
-batch size, k >= 2 and every mix of policies, filters and modes.
+An update compiles on its first call with a new kind of plan (one row or several; scores or none):
+15-40 s on the H200 with a cold cache (inductor's on-disk cache makes a restart compile less). A served
+step must not stall that long, so a shard compiles before it serves: `Runner.warm_up` runs every CUDA
+graph of the closed set (model/graphs.py) once, whose plans need four variants (one row and several,
+scored and not), and then `freeze`s: from then on a plan with no compiled update (an eager step's exact
+plan) runs it as written (the same results). A compiled masked step computes every reveal policy and
+the early stop for all rows (each row keeps its own), and k comes from the scores' shape, so the
+variants serve every mix of options.
 Without a warm-up (the in-process Engine, tests) every new kind of plan compiles on first use, up to
 dynamo's limit of variants per function (8), which freezes it the same way.
 
