@@ -142,9 +142,10 @@ def _assert_same(got, exp, what):
 
 
 def test_vocab_sharded_reductions_equal_dense(reduction_ranks, dense):
-    """global max / logsumexp / entropy / argmax / topk / value_at / count_greater on each rank's slice
-    equal the dense statistic of the full tensor, on every rank, including tied maxima across ranks,
-    ties at the top-k boundary and -inf entries."""
+    """global max / logsumexp / entropy / argmax / topk / value_at / count_greater and the top-k / top-p
+    thresholds on each rank's slice equal the dense statistic of the full tensor (the thresholds: TP = 1's,
+    exactly), on every rank, including tied maxima across ranks, ties at the top-k boundary and -inf
+    entries."""
     ranks, expected = reduction_ranks, dense["mixed"]
     for r in ranks:
         got = r["reductions"]["mixed"]

@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 from model.attention import KVCache, StepContext, step_context
 from model.parallel import reductions as R
 from model.parallel.group import TPGroup, shard_range
+from model.sampling.filters import keep_threshold
 from tests import vocab_reductions as VR
 
 MASK = 100
@@ -241,11 +242,21 @@ def reduction_cases() -> dict[str, dict]:
     return cases
 
 
+def filter_rows(rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the top-k and top-p of the filters' thresholds: top-k k with no top-p, top-k 2 with top-p
+    0.7, top-p 0.4 alone, in turn."""
+    top_k = torch.tensor([(k, 2, 0)[r % 3] for r in range(rows)])
+    top_p = torch.tensor([(1.0, 0.7, 0.4)[r % 3] for r in range(rows)])
+    return top_k, top_p
+
+
 def sharded_reductions(x_full: torch.Tensor, k: int, ids: list[torch.Tensor], tp: TPGroup) -> dict:
-    """Every reduction of model.parallel.reductions and tests/vocab_reductions.py on this rank's slice of x_full."""
+    """Every reduction of model.parallel.reductions and tests/vocab_reductions.py on this rank's slice of
+    x_full, and the filters' thresholds (model/sampling/filters.py: count and mass all-reduces)."""
     v0, v1 = shard_range(x_full.shape[-1], tp.rank, tp.world_size)
     x = x_full[..., v0:v1].contiguous()
     out = {
+        "threshold": keep_threshold(x, v0, tp, *filter_rows(x.shape[0], k)),
         "global_max": R.global_max(x, tp),
         "logsumexp": R.logsumexp(x, tp),
         "entropy": VR.entropy(x, tp),
@@ -265,7 +276,8 @@ def sharded_reductions(x_full: torch.Tensor, k: int, ids: list[torch.Tensor], tp
 
 
 def dense_reductions(x: torch.Tensor, k: int, ids: list[torch.Tensor]) -> dict:
-    """The same statistics computed on the full tensor with plain torch ops."""
+    """The same statistics computed on the full tensor with plain torch ops (the thresholds: the filters'
+    own at TP = 1, which tests/test_sampling.py checks against sorting)."""
     V = x.shape[-1]
     m = x.amax(dim=-1)
     p = torch.softmax(x.double(), dim=-1)
@@ -273,6 +285,7 @@ def dense_reductions(x: torch.Tensor, k: int, ids: list[torch.Tensor]) -> dict:
     arange = torch.arange(V).expand_as(x)
     srt = torch.sort(x, dim=-1, descending=True, stable=True)
     out = {
+        "threshold": keep_threshold(x, 0, TPGroup(), *filter_rows(x.shape[0], k)),
         "global_max": m,
         "logsumexp": torch.logsumexp(x.double(), dim=-1).float(),
         "entropy": ent.float(),
