@@ -2,24 +2,28 @@
 
     serve run deployments.app:build_app model=DIR tensor_parallel_size=N
 
-OpenAIIngress is a shim. Its duties: authorise (optional bearer key), validate (pydantic; a bad field
-is a 400 naming it), tokenize (chat template for chat), call the Coordinator deployment through a
-handle, detokenize and apply stop strings (cancelling the request upstream when one hits), and
-answer as JSON or SSE (one chunk per committed block, drafts as SSE comments between them when asked,
-then `data: [DONE]`), count requests by status for /metrics, and serve the playground page. Every
-generation endpoint funnels into `_generate`; the coordinator handle is injected, so tests and other
-front ends can swap it.
+OpenAIIngress is a shim. Its duties: before a body is read, give the request its id, authorise
+(optional bearer key) and bound the body's size (deployments/gate.py); validate (pydantic; a bad field
+is a 400 naming it); tokenize in a thread after a character bound (deployments/prompts.py; chat
+template for chat); fill what the request leaves out (max_tokens, the checkpoint's sampling defaults);
+call the Coordinator deployment through a handle, detokenize and apply stop strings (cancelling the
+request upstream when one hits), and answer as JSON or SSE (one chunk per committed block, drafts as
+SSE comments between them when asked, then `data: [DONE]`), count requests by status for /metrics,
+and serve the playground page. Every generation endpoint funnels into `_generate`; the coordinator
+handle is injected, so tests and other front ends can swap it.
 """
 # No `from __future__ import annotations`: FastAPI resolves endpoint annotations at runtime.
 import asyncio
-import hmac
 import json
+import secrets
+import time
 from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, PlainTextResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.handle import DeploymentHandle
@@ -28,20 +32,32 @@ from ray.serve.handle import DeploymentHandle
 from deployments import metrics as prom
 from deployments.args import AppArgs
 from deployments.drafts import draft_event, draft_payload
-from deployments.errors import ERROR_STATUS, APIError, add_handlers, error_body
+from deployments.errors import ERROR_STATUS, APIError, add_handlers, error_body, validation_error_param
+from deployments.gate import REQUEST_ID_PARAMETER, GateSettings, RequestGate
 from deployments.output import Delta, OutputAssembler, chat_logprobs, completion_logprobs
+from deployments.prompts import PromptTokenizer
 from deployments.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                   ChatCompletionStreamResponse, ChatDelta, ChatResponseMessage, ChatStreamChoice,
                                   CompletionChoice, CompletionRequest, CompletionResponse,
                                   CompletionStreamResponse, ModelCard, ModelList, Usage)
 from model.checkpoint import Checkpoint, RunnerArgs
-from model.sampling.params import ParamError
+from model.sampling.params import DecodeParams, ParamError
 from workers.serve_coordinator import CoordinatorDeployment, placement_bundles
 
 app = FastAPI(title="dllm-serve", docs_url=None, redoc_url=None)
 STATIC = Path(__file__).parent / "static"
 app.mount("/static", StaticFiles(directory=STATIC), name="static")   # the playground's script and style
 add_handlers(app)
+
+
+def _gate_settings() -> GateSettings:
+    """This replica's ingress's settings (the gate is built with the app, before any ingress exists)."""
+    return serve.get_replica_context().servable_object.gate
+
+
+app.add_middleware(RequestGate, settings=_gate_settings)
+# the X-Request-Id header in the served schema, for clients and for the schemathesis fuzz
+WITH_REQUEST_ID = {"parameters": [REQUEST_ID_PARAMETER]}
 
 ENDPOINT = {"completion": "completions", "chat": "chat_completions"}   # request kind -> metrics label
 HEALTH_DETAIL = ("num_slots", "free_slots", "running", "waiting", "shard_failures")
@@ -51,6 +67,22 @@ STATS_S, SHARD_PING_S = 2.0, 15.0
 WARMING_UP = "warming up: no model replica is ready yet (loading weights, capturing CUDA graphs)"
 STATE_REASON = {"starting": WARMING_UP, "rebuilding": "rebuilding the model shards after a failure",
                 "down": "the model shards are down and could not be rebuilt"}
+
+
+def sampling_defaults(checkpoint: Checkpoint) -> dict:
+    """The sampling fields of the checkpoint's generation_config.json that apply to its family, used when
+    a request is silent (vLLM's `--generation-config auto`): temperature, top_k and top_p; a
+    uniform-noise family (DiffusionGemma) takes its temperature from its renoise schedule instead."""
+    gen = checkpoint.generation
+    fields = ("top_k", "top_p") if checkpoint.family.uniform_noise else ("temperature", "top_k", "top_p")
+    values = {f: getattr(gen, f) for f in fields if getattr(gen, f) is not None}
+    try:   # what the engine cannot take fails the deploy, not every request
+        DecodeParams(**values)
+    except ValidationError as err:
+        raise ValueError(f"{checkpoint.path}/generation_config.json: {validation_error_param(err)[0]}") from None
+    return values
+
+
 def _last_line(err: Exception) -> str:
     """A remote exception's own message (Ray prefixes the whole remote traceback)."""
     lines = [line for line in str(err).splitlines() if line.strip()]
@@ -69,14 +101,17 @@ class OpenAIIngress:
         from transformers import AutoTokenizer
 
         self.args = AppArgs(**args)
+        self.gate = GateSettings(self.args.api_key, self.args.max_body_bytes, self.args.request_timeout_s)
         self.model_dir = checkpoint.path
         self.model_name = self.args.model_name()
+        self.created = int(time.time())
         self.coordinator = coordinator
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.vocab_size = len(self.tokenizer)
+        self.prompts = PromptTokenizer(self.tokenizer, self.args.max_model_len)
         config = checkpoint.config
         self.model_vocab_size = config.vocab_size
-        self.defaults = self.args.decode_defaults()
+        self.defaults = self.args.decode_defaults() | sampling_defaults(checkpoint)
+        self.max_new_tokens = checkpoint.generation.max_new_tokens   # caps a request's default length
         self.canvas_length = config.canvas_length  # for usage.diffusion.canvas_positions and drafts
         self.mask_id = config.mask_token_id        # a draft's masked positions (None: uniform-noise canvases)
         if checkpoint.renoise is not None:
@@ -97,11 +132,15 @@ class OpenAIIngress:
         await self._bounded(self.coordinator.check_health.remote(), SHARD_PING_S, "the model shards did not answer")
         return {"status": "ok", **{k: stats[k] for k in HEALTH_DETAIL}}
 
-    @app.get("/v1/models")
-    async def models(self, request: Request) -> ModelList:
-        self._authorize(request)
-        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.args.max_model_len,
-                                         canvas_length=self.canvas_length)])
+    @app.get("/v1/models", openapi_extra=WITH_REQUEST_ID)
+    async def models(self) -> ModelList:
+        return ModelList(data=[self._card()])
+
+    @app.get("/v1/models/{model_id:path}", openapi_extra=WITH_REQUEST_ID)
+    async def model(self, model_id: str) -> ModelCard:
+        """`client.models.retrieve`; the id may hold slashes (`org/name`)."""
+        self._check_model(model_id)
+        return self._card()
 
     @app.get("/playground")
     async def playground(self) -> FileResponse:
@@ -113,29 +152,22 @@ class OpenAIIngress:
         return PlainTextResponse(prom.prometheus_text(stats, self.model_name, prom.REQUESTS),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=WITH_REQUEST_ID)
     async def completions(self, body: CompletionRequest, request: Request):
-        self._check(body, request)
+        self._check_model(body.model)
         if isinstance(body.prompt, str):
-            prompt = self.tokenizer(body.prompt).input_ids
+            prompt = await self.prompts.text(body.prompt, "prompt")
         else:
-            prompt = list(body.prompt)
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise APIError(400, f"prompt token ids {bad[:5]} are outside [0, {self.vocab_size})", param="prompt")
-        return await self._generate("completion", body, prompt, "prompt", "max_tokens")
+            prompt = self.prompts.ids(body.prompt, "prompt")
+        return await self._generate("completion", body, request, prompt, "prompt", "max_tokens")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=WITH_REQUEST_ID)
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        self._check(body, request)
-        try:
-            prompt = self.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True,
-                                                        tokenize=True, return_dict=False)
-        except Exception as err:  # a template's own raise_exception: the messages do not fit it
-            raise APIError(400, f"messages do not fit the model's chat template: {err}", param="messages") from None
+        self._check_model(body.model)
+        prompt = await self.prompts.chat(body.template_messages(), "messages")
         length = "max_tokens" if body.max_completion_tokens is None and body.max_tokens is not None else \
             "max_completion_tokens"
-        return await self._generate("chat", body, list(prompt), "messages", length)
+        return await self._generate("chat", body, request, prompt, "messages", length)
 
     # ---- readiness --------------------------------------------------------------------------------
     async def _bounded(self, response, timeout_s: float, reason: str):
@@ -161,26 +193,39 @@ class OpenAIIngress:
         return stats
 
     # ---- the one request path -------------------------------------------------------------------
-    def _authorize(self, request: Request) -> None:
-        key = self.args.api_key
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise APIError(401, "invalid or missing API key", "authentication_error")
+    def _card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, created=self.created, max_model_len=self.args.max_model_len,
+                         canvas_length=self.canvas_length)
 
-    def _check(self, body, request: Request) -> None:
-        self._authorize(request)
-        if body.model != self.model_name:
-            raise APIError(404, f"the model `{body.model}` does not exist; this server serves `{self.model_name}`",
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
                            "invalid_request_error", param="model", code="model_not_found")
 
-    async def _generate(self, kind: str, body, prompt: list[int], prompt_param: str, length_param: str):
+    def _default_max_tokens(self, prompt_len: int, prompt_param: str):
+        """mode -> the output tokens a request that names no length gets: what the prompt leaves of
+        max_model_len (in whole canvases, which canvas modes write; the scheduler's own check), capped
+        by generation_config.json's max_new_tokens; a 400 naming the prompt if that is nothing."""
+        def default(mode: str) -> int:
+            left = self.args.max_model_len - prompt_len
+            room = left if mode == "ar" else left // self.canvas_length * self.canvas_length
+            if room < 1:
+                unit = "token" if mode == "ar" else f"canvas of {self.canvas_length} tokens"
+                raise ParamError(f"the prompt has {prompt_len} tokens, which leaves no room for a {unit} within "
+                                 f"max_model_len={self.args.max_model_len} ({mode} mode)", prompt_param)
+            return min(room, self.max_new_tokens or room)
+        return default
+
+    async def _generate(self, kind: str, body, request: Request, prompt: list[int], prompt_param: str,
+                        length_param: str):
         if not self.model_ready:   # a 503 now rather than a request held until a replica warms up
             await self._ready_stats()
             self.model_ready = True
+        if len(prompt) >= self.args.max_model_len:
+            raise APIError(400, f"the prompt has {len(prompt)} tokens; this model allows at most "
+                                f"{self.args.max_model_len - 1} before output", param=prompt_param)
         try:
-            params = body.decode_params(self.defaults)
+            params = body.decode_params(self.defaults, self._default_max_tokens(len(prompt), prompt_param))
         except ParamError as err:
             raise APIError(400, err.message, param=err.param) from None
         limit = self.args.denoising_steps_limit   # the server's own default is within it (AppArgs)
@@ -189,10 +234,12 @@ class OpenAIIngress:
                                 f"denoising_steps_limit={limit}", param="diffusion.max_denoising_steps")
         if params.top_k >= self.model_vocab_size:  # keeps every token: no filter, and no [.., top_k] buffers
             params = params.model_copy(update={"top_k": 0})
-        if len(prompt) >= self.args.max_model_len:
-            raise APIError(400, f"the prompt has {len(prompt)} tokens; this model allows at most "
-                                f"{self.args.max_model_len - 1} before output", param=prompt_param)
-        stream = self.coordinator.options(stream=True).generate.remote(prompt, params)
+        # The response's id is the request's (X-Request-Id); the coordinator's adds a random suffix, so a
+        # client reusing an id for requests in flight together gets them served, not refused as a clash.
+        request_id = request.state.request_id
+        response_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{request_id}"
+        stream = self.coordinator.options(stream=True).generate.remote(
+            prompt, params, f"{response_id}-{secrets.token_hex(6)}")
         try:
             first = await self._next(stream)
         except APIError as err:  # the engine names a completion's fields: this request's own names
@@ -202,9 +249,9 @@ class OpenAIIngress:
             raise APIError(503, "the model stopped without an answer", "service_unavailable")
         assembler = OutputAssembler(self.tokenizer, body.stop_strings)
         if body.stream:
-            return StreamingResponse(self._sse_stream(kind, body, prompt, stream, assembler),
+            return StreamingResponse(self._sse_stream(kind, body, response_id, prompt, stream, assembler),
                                      media_type="text/event-stream")
-        response = await self._collect(kind, body, prompt, stream, assembler)
+        response = await self._collect(kind, body, response_id, prompt, stream, assembler)
         prom.REQUESTS.add(ENDPOINT[kind], 200)
         return response
 
@@ -238,7 +285,8 @@ class OpenAIIngress:
         finally:
             stream.cancel()  # no-op once finished; frees the slot when we stop early
 
-    async def _collect(self, kind: str, body, prompt: list[int], stream, assembler: OutputAssembler):
+    async def _collect(self, kind: str, body, response_id: str, prompt: list[int], stream,
+                       assembler: OutputAssembler):
         text, ids, lps, tops, offsets, reason, last = "", [], [], [], [], None, None
         async for delta, out in self._outputs(stream, assembler):
             text += delta.text
@@ -254,15 +302,14 @@ class OpenAIIngress:
         if kind == "completion":
             logprobs = completion_logprobs(self.tokenizer, ids, lps, tops, offsets) if scored else None
             choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=reason)
-            return CompletionResponse(model=self.model_name, choices=[choice], usage=usage)
+            return CompletionResponse(id=response_id, model=self.model_name, choices=[choice], usage=usage)
         logprobs = chat_logprobs(self.tokenizer, ids, lps, tops) if scored and body.logprobs else None
         choice = ChatChoice(index=0, message=ChatResponseMessage(content=text), logprobs=logprobs,
                             finish_reason=reason)
-        return ChatCompletionResponse(model=self.model_name, choices=[choice], usage=usage)
+        return ChatCompletionResponse(id=response_id, model=self.model_name, choices=[choice], usage=usage)
 
-    async def _sse_stream(self, kind: str, body, prompt: list[int], stream, assembler: OutputAssembler):
-        chunk_id = (CompletionResponse if kind == "completion" else ChatCompletionResponse)(
-            model=self.model_name, choices=[]).id
+    async def _sse_stream(self, kind: str, body, chunk_id: str, prompt: list[int], stream,
+                          assembler: OutputAssembler):
         n_tokens, last, status = 0, None, 499   # until the stream ends: the client went away
         try:
             if kind == "chat":

@@ -37,6 +37,9 @@ class AppArgs(BaseModel):
     num_replicas: int = Field(1, ge=1)
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     api_key: str | None = None
+    # A body is held whole in memory to be parsed; a 128K-token prompt is ~1 MB of JSON.
+    max_body_bytes: int = Field(8 * 2**20, ge=1, description="the largest request body taken (a 413 beyond), "
+                                "checked before the body is read whole")
     request_timeout_s: float = Field(600.0, gt=0)
     command_timeout_s: float = Field(120.0, gt=0)
     # server-wide decoding defaults, overridable per request (`diffusion` object)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 from pydantic import ValidationInfo, model_validator
@@ -67,6 +67,40 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+MAX_STOP = 4   # OpenAI's
+COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions (vLLM's too)
+
+_PENALTY = ("a penalty depends on the tokens generated before a position, and a canvas reveals its positions "
+            "in parallel, so no penalty is defined")
+_TOOLS = "tool calling is not implemented (no tool calls are parsed from the output)"
+# field -> (is the value a no-op, the no-op value(s) as a message shows them, why another is refused)
+NO_OPS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
+    "presence_penalty": (lambda v: v == 0, "0", _PENALTY),
+    "frequency_penalty": (lambda v: v == 0, "0", _PENALTY),
+    "repetition_penalty": (lambda v: v == 1, "1", _PENALTY),
+    "min_p": (lambda v: v == 0, "0", "min_p filtering is not implemented (top_k and top_p are)"),
+    "logit_bias": (lambda v: not isinstance(v, dict) or all(b == 0 for b in v.values()), "{} (or biases of 0)",
+                   "logit_bias is not implemented"),
+    "best_of": (lambda v: v == 1, "1", "best_of > 1 (choosing among several completions) is not implemented"),
+    "suffix": (lambda v: v == "", '""', "suffix (inserting text between the prompt and a suffix) is not implemented"),
+    "response_format": (lambda v: not isinstance(v, dict) or v.get("type") == "text", '{"type": "text"}',
+                        "output is not constrained to a format (json_object and json_schema are not implemented)"),
+    "tools": (lambda v: v == [], "[]", _TOOLS),
+    "functions": (lambda v: v == [], "[]", _TOOLS),
+    "tool_choice": (lambda v: v in ("none", "auto"), '"none" or "auto" (no tools: plain text)', _TOOLS),
+    "function_call": (lambda v: v in ("none", "auto"), '"none" or "auto" (no functions: plain text)', _TOOLS),
+    "store": (lambda v: v is False, "false", "this server does not store completions"),
+    "modalities": (lambda v: v == ["text"], '["text"]', "this server's output is text only"),
+}
+
+
+def _no_op(default: Any, *accepted: Any, **schema: Any) -> Any:
+    """A NO_OPS field: `default` when not given; the served schema lists the `accepted` values."""
+    extra = schema or {"enum": list(accepted or (default,))}
+    return Field(default_factory=lambda: default, json_schema_extra=extra) if isinstance(default, (dict, list)) \
+        else Field(default, json_schema_extra=extra)
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -75,7 +109,7 @@ class _SamplingRequest(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="0 or -1 disables")
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: Text | Annotated[list[Text], Field(max_length=4)] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -83,6 +117,26 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     user: Text | None = None  # accepted, ignored
     diffusion: DiffusionOptions | None = None
+    presence_penalty: float = _no_op(0.0)
+    frequency_penalty: float = _no_op(0.0)
+    repetition_penalty: float = _no_op(1.0)   # vLLM's
+    min_p: float = _no_op(0.0)                # vLLM's
+    logit_bias: dict[str, float] = _no_op({}, additionalProperties={"type": "number", "enum": [0]})
+
+    @field_validator(*NO_OPS, mode="before", check_fields=False)
+    @classmethod
+    def _only_no_ops(cls, v: Any, info: ValidationInfo) -> Any:
+        is_no_op, shown, why = NO_OPS[info.field_name]
+        if not is_no_op(v):
+            raise ValueError(f"only {shown} is supported: {why}")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _at_most_four(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings (got {len(v)})")
+        return v
 
     @field_validator("stream_options")
     @classmethod
@@ -107,11 +161,17 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _decode_params(self, defaults: dict, max_tokens: int, logprobs: int | None,
-                       logprobs_field: str) -> DecodeParams:
+    def _decode_params(self, defaults: dict, max_tokens: int | None, default_max_tokens: Callable[[str], int],
+                       logprobs: int | None, logprobs_field: str) -> DecodeParams:
+        """`defaults`: the server's and the checkpoint's values of DecodeParams' fields (None: not set);
+        `default_max_tokens(mode)`: max_tokens when the request gives none."""
         values = {k: v for k, v in defaults.items() if v is not None}
         if self.diffusion is not None:
             values |= self.diffusion.model_dump(exclude_none=True)
+        if values.get("mode") == "linear_spec":   # greedy by definition: no default temperature applies
+            values.pop("temperature", None)
+        if max_tokens is None:
+            max_tokens = default_max_tokens(values.get("mode", "diffusion"))
         given = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "logprobs": logprobs,
                  "top_k": None if self.top_k is None else max(self.top_k, 0),
                  "stop_token_ids": None if self.stop_token_ids is None else tuple(self.stop_token_ids)}
@@ -133,9 +193,12 @@ class _SamplingRequest(_Strict):
 
 class CompletionRequest(_SamplingRequest):
     prompt: Text | list[int]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int | None = Field(None, ge=1, description=f"default: {COMPLETION_MAX_TOKENS}, or what the prompt "
+                                   "leaves of the context if less")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    best_of: int = _no_op(1)
+    suffix: Text = _no_op("", maxLength=0)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -155,8 +218,12 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("echo=true is not supported")
         return v
 
-    def decode_params(self, defaults: dict) -> DecodeParams:
-        return self._decode_params(defaults, self.max_tokens, self.logprobs, "logprobs")
+    def decode_params(self, defaults: dict, default_max_tokens: Callable[[str], int]) -> DecodeParams:
+        """`default_max_tokens(mode)`: what the prompt leaves of the context in `mode` (a 16-token default
+        must not be a 400 for a request that asked for no length)."""
+        return self._decode_params(defaults, self.max_tokens,
+                                   lambda mode: min(COMPLETION_MAX_TOKENS, default_max_tokens(mode)),
+                                   self.logprobs, "logprobs")
 
 
 class _TextPart(BaseModel):
@@ -181,12 +248,24 @@ class ChatMessage(_Strict):
         return v
 
 
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     max_tokens: int | None = Field(None, ge=1, description="deprecated alias; max_completion_tokens wins")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] = _no_op([], maxItems=0)
+    functions: list[dict[str, Any]] = _no_op([], maxItems=0)
+    tool_choice: str | dict[str, Any] = _no_op("none", "none", "auto")
+    function_call: str | dict[str, Any] = _no_op("none", "none", "auto")
+    parallel_tool_calls: bool = True   # without tools: nothing to call in parallel
+    store: bool = _no_op(False)
+    modalities: list[Literal["text"]] = _no_op(["text"], minItems=1, maxItems=1)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -196,18 +275,18 @@ class ChatCompletionRequest(_SamplingRequest):
         return v
 
     @property
-    def max_output_tokens(self) -> int:
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return self.max_tokens if self.max_tokens is not None else 16
+    def max_output_tokens(self) -> int | None:
+        """The length asked for; None: the default (the rest of the context)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_messages(self) -> list[dict[str, str]]:
         """The messages as `tokenizer.apply_chat_template` takes them."""
         return [{"role": m.role, "content": m.content} for m in self.messages]
 
-    def decode_params(self, defaults: dict) -> DecodeParams:
+    def decode_params(self, defaults: dict, default_max_tokens: Callable[[str], int]) -> DecodeParams:
+        """`default_max_tokens(mode)`: the rest of the context in `mode`, as vLLM's chat default."""
         k = (self.top_logprobs or 0) if self.logprobs else None
-        return self._decode_params(defaults, self.max_output_tokens, k, "top_logprobs")
+        return self._decode_params(defaults, self.max_output_tokens, default_max_tokens, k, "top_logprobs")
 
 
 # ---------------------------------------------------------------------------------------- responses

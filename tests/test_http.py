@@ -2,6 +2,10 @@
 faults: test_http_faults.py; overload and disconnects: test_http_load.py; bad input, each named by its
 `param`: test_http_fuzz.py.)"""
 import concurrent.futures as cf
+import json
+import shutil
+import threading
+import time
 
 import httpx
 import openai
@@ -9,18 +13,25 @@ import pytest
 
 from deployments.app import build_app
 from model.tiny import write_diffusion_gemma
-from tests.serve_harness import serving
+from tests.serve_harness import assert_openai_error, serving, sse_payloads
 
 KEY = "test-key"
 MODEL = "tiny"
+TP1_BODY_LIMIT = 2**20
+# tp2's checkpoint: the same weights, a generation_config.json with sampling defaults (greedy) and a length
+TP2_GENERATION = {"bos_token_id": 1, "eos_token_id": 2, "temperature": 0.0, "max_new_tokens": 40}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_nemotron, tmp_path_factory):
-    common = dict(model=str(tiny_nemotron), served_model_name=MODEL, max_model_len=512, max_steps_per_command=8)
+    common = dict(served_model_name=MODEL, max_model_len=512, max_steps_per_command=8)
     gemma = write_diffusion_gemma(tmp_path_factory.mktemp("tiny-gemma-http"), seed=0)
-    with serving({"tp1": build_app({**common, "max_num_seqs": 4, "max_queue": 2, "api_key": KEY}),
-                  "tp2": build_app({**common, "max_num_seqs": 4, "tensor_parallel_size": 2}),
+    greedy = shutil.copytree(tiny_nemotron, tmp_path_factory.mktemp("tiny-nemotron-greedy") / "ckpt")
+    (greedy / "generation_config.json").write_text(json.dumps(TP2_GENERATION))
+    with serving({"tp1": build_app({**common, "model": str(tiny_nemotron), "max_num_seqs": 4, "max_queue": 2,
+                                    "api_key": KEY, "max_body_bytes": TP1_BODY_LIMIT}),
+                  "tp2": build_app({**common, "model": str(greedy), "max_num_seqs": 4, "tensor_parallel_size": 2,
+                                    "max_body_bytes": 64 * 2**20}),
                   "gemma": build_app({"model": str(gemma), "served_model_name": "gemma", "max_model_len": 256})}
                  ) as port:
         yield port
@@ -161,3 +172,155 @@ def test_diffusion_gemma_served_by_the_same_app(server):
     with pytest.raises(openai.BadRequestError) as err:
         c.completions.create(model="gemma", prompt="x", extra_body={"diffusion": {"t_min": 0.9, "t_max": 0.5}})
     assert "t_max" in err.value.body["message"]
+
+
+def url(server, app: str, path: str) -> str:
+    return f"http://127.0.0.1:{server}/{app}/v1{path}"
+
+
+def test_chat_length_defaults_to_the_rest_of_the_context_in_whole_canvases(server):
+    """A chat request without a length writes what the prompt leaves of max_model_len, in whole canvases
+    (vLLM's default; canvas modes write whole canvases), or what generation_config.json's max_new_tokens
+    says; a completion without one keeps OpenAI's 16."""
+    messages = [{"role": "user", "content": "Tell me everything"}]
+    for app, canvas, max_model_len in [("tp1", 32, 512), ("gemma", 16, 256)]:
+        c = client(server, app)
+        r = c.chat.completions.create(model=MODEL if app == "tp1" else "gemma", messages=messages, seed=1,
+                                      extra_body={"ignore_eos": True})
+        room = (max_model_len - r.usage.prompt_tokens) // canvas * canvas
+        assert r.usage.completion_tokens == room and r.choices[0].finish_reason == "length", (app, r.usage)
+    ar = client(server).chat.completions.create(model=MODEL, messages=messages, temperature=0, extra_body={
+        "ignore_eos": True, "diffusion": {"mode": "ar"}})
+    assert ar.usage.completion_tokens == 512 - ar.usage.prompt_tokens   # no canvas: every position
+    capped = client(server, "tp2").chat.completions.create(model=MODEL, messages=messages,
+                                                          extra_body={"ignore_eos": True})
+    assert capped.usage.completion_tokens == TP2_GENERATION["max_new_tokens"]
+    assert client(server).completions.create(model=MODEL, prompt="x", extra_body={
+        "ignore_eos": True}).usage.completion_tokens == 16
+    with pytest.raises(openai.BadRequestError) as err:   # a prompt that leaves less than a canvas
+        client(server).completions.create(model=MODEL, prompt=[1] + [300] * 490)
+    assert err.value.body["param"] == "prompt" and "canvas of 32" in err.value.body["message"]
+
+
+def test_sampling_defaults_come_from_generation_config(server):
+    """tp2's generation_config.json says temperature 0: a request naming none is greedy (the same as one
+    saying 0, whatever its seed), and a request's own temperature wins."""
+    c = client(server, "tp2")
+    kw = dict(model=MODEL, prompt="Defaults from the checkpoint", max_tokens=40, extra_body={"ignore_eos": True})
+    silent = [c.completions.create(seed=s, **kw).choices[0].text for s in (1, 2)]
+    greedy = c.completions.create(temperature=0, **kw).choices[0].text
+    assert silent == [greedy, greedy]
+    assert c.completions.create(temperature=1.0, seed=1, **kw).choices[0].text != greedy
+    # tp1's checkpoint names no temperature: OpenAI's 1, so seeds differ
+    plain = client(server)
+    assert len({plain.completions.create(seed=s, **kw).choices[0].text for s in (1, 2)}) == 2
+
+
+def test_models_retrieve(server):
+    c = client(server)
+    card = c.models.retrieve(MODEL)
+    assert (card.id, card.object) == (MODEL, "model") and card.model_extra["max_model_len"] == 512
+    assert card == c.models.list().data[0]
+    for unknown in ("nope", "org/tiny"):
+        with pytest.raises(openai.NotFoundError) as err:
+            c.models.retrieve(unknown)
+        assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url(server, "tp1", ""), api_key="wrong", max_retries=0).models.retrieve(MODEL)
+
+
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+def test_request_id_is_echoed_and_names_the_response(server):
+    body = {"model": MODEL, "prompt": "id", "max_tokens": 4}
+    r = httpx.post(url(server, "tp1", "/completions"), json=body, headers=AUTH | {"x-request-id": "trace-7"}, timeout=60)
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-trace-7"
+    assert r.headers.get_list("x-request-id") == ["trace-7"]   # Serve's proxy echoes it, once
+    made = httpx.post(url(server, "tp1", "/completions"), json=body, headers=AUTH, timeout=60)
+    (made_id,) = made.headers.get_list("x-request-id")
+    assert made.json()["id"] == f"cmpl-{made_id}"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True}
+    r = httpx.post(url(server, "tp1", "/chat/completions"), json=chat, headers=AUTH | {"x-request-id": "s-1"},
+                   timeout=60)
+    chunks = [json.loads(p) for p in sse_payloads(r.text.splitlines()) if p != "[DONE]"]
+    assert r.headers["x-request-id"] == "s-1" and len(chunks) >= 3 and {c["id"] for c in chunks} == {"chatcmpl-s-1"}
+    r = httpx.post(url(server, "tp1", "/completions"), json={**body, "max_tokens": 0}, headers=AUTH | {
+        "x-request-id": "bad-1"}, timeout=60)
+    assert r.status_code == 400 and r.headers["x-request-id"] == "bad-1"   # errors carry it too
+
+    # one id for requests in flight together: each is served, with that id
+    slow = {"model": MODEL, "prompt": "same id", "max_tokens": 64, "temperature": 0, "ignore_eos": True,
+            "diffusion": {"policy": "low_confidence"}}
+    with cf.ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: httpx.post(url(server, "tp1", "/completions"), json=slow, timeout=120,
+                                                     headers=AUTH | {"x-request-id": "dup"}), range(3)))
+    assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+    assert {a.json()["id"] for a in answers} == {"cmpl-dup"} and len({a.json()["choices"][0]["text"]
+                                                                      for a in answers}) == 1
+
+
+def test_key_before_body_and_body_size_limit(server):
+    """No key: a 401 whatever the body (no detail of it is judged). With the key, a body over
+    max_body_bytes is a 413 from its Content-Length, or as a chunked upload streams in."""
+    completions = url(server, "tp1", "/completions")
+    for content in (b"{not json", b'{"model": 5}', b"x" * (TP1_BODY_LIMIT + 1)):
+        r = httpx.post(completions, content=content, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 401, r.text[:200]
+        assert_openai_error(r.json(), 401)
+    big = json.dumps({"model": MODEL, "prompt": "x" * TP1_BODY_LIMIT}).encode()
+    r = httpx.post(completions, content=big, headers=AUTH | {"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and str(TP1_BODY_LIMIT) in assert_openai_error(r.json(), 413)["message"]
+
+    def chunked():
+        for i in range(0, len(big), 2**16):
+            yield big[i:i + 2**16]
+    r = httpx.post(completions, content=chunked(), headers=AUTH | {"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413, r.text[:200]
+    assert_openai_error(r.json(), 413)
+    r = client(server).completions.create(model=MODEL, prompt="still fine", max_tokens=4)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_a_huge_prompt_does_not_stall_the_api(server):
+    """A 16 MB prompt is refused from its length in characters, untokenized (the tiny tokenizer takes ~8 s
+    for it on a 2-core machine, on the event loop it would hold every request that long); a small request
+    sent beside it is answered in about its usual time."""
+    completions = url(server, "tp2", "/completions")
+    small = {"model": MODEL, "prompt": "small", "max_tokens": 4, "temperature": 0}
+    start = time.monotonic()
+    assert httpx.post(completions, json=small, timeout=60).status_code == 200
+    alone = time.monotonic() - start
+    huge = json.dumps({"model": MODEL, "prompt": "hello world " * (16 * 2**20 // 12), "max_tokens": 4}).encode()
+    result = {}
+
+    def send_huge():
+        result["r"] = httpx.post(completions, content=huge, headers={"content-type": "application/json"}, timeout=120)
+    sender = threading.Thread(target=send_huge)
+    sender.start()
+    time.sleep(0.3)   # its upload under way
+    start = time.monotonic()
+    r = httpx.post(completions, json=small, timeout=60)
+    beside = time.monotonic() - start
+    sender.join(120)
+    assert r.status_code == 200 and beside < alone + 2.5, (alone, beside)
+    big = result["r"]
+    assert big.status_code == 400 and "characters" in assert_openai_error(big.json(), 400, "prompt")["message"]
+
+
+def test_openai_defaults_at_their_no_op_values_are_accepted(server):
+    """What SDKs and chat front-ends send by default changes nothing; a value that would change the output
+    and is not implemented is a 400 naming the field and saying why."""
+    c = client(server)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_completion_tokens=20, **GREEDY)
+    plain = c.chat.completions.create(**kw).choices[0].message.content
+    noops = c.chat.completions.create(presence_penalty=0, frequency_penalty=0, logit_bias={}, top_p=1,
+                                      response_format={"type": "text"}, parallel_tool_calls=False, store=False,
+                                      user="someone", n=1, **kw)
+    assert noops.choices[0].message.content == plain
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(presence_penalty=0.5, **kw)
+    assert err.value.body["param"] == "presence_penalty" and "in parallel" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(response_format={"type": "json_object"}, **kw)
+    assert err.value.body["param"] == "response_format"

@@ -22,6 +22,7 @@ from model.tiny import write_nemotron_ld
 
 DEFAULTS = {"mode": "diffusion", "policy": "threshold", "threshold": 0.9, "entropy_bound": 0.1,
             "max_denoising_steps": None}
+ROOM = {"diffusion": 480, "ar": 500, "linear_spec": 480}.__getitem__   # the default max_tokens, by mode
 COMPLETION = {"model": "tiny", "prompt": "Hello"}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}
 
@@ -97,7 +98,7 @@ def test_requests_parse_and_normalise():
     nulls = {k: None for k in ("temperature", "top_p", "stop", "stream_options", "logprobs", "n", "max_tokens",
                                "stream", "echo", "user", "diffusion")}
     req = CompletionRequest.model_validate(COMPLETION | nulls)  # null means "use the default"
-    assert (req.max_tokens, req.n, req.stream, req.stop_strings, req.include_usage) == (16, 1, False, [], False)
+    assert (req.max_tokens, req.n, req.stream, req.stop_strings, req.include_usage) == (None, 1, False, [], False)
     req = CompletionRequest.model_validate(COMPLETION | {"stop": "\n", "stream": True, "top_k": -1,
                                                          "stream_options": {"include_usage": True}})
     assert req.stop_strings == ["\n"] and req.include_usage
@@ -105,7 +106,7 @@ def test_requests_parse_and_normalise():
     chat = ChatCompletionRequest.model_validate(
         CHAT | {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": parts}]})
     assert chat.template_messages() == [{"role": "system", "content": "s"}, {"role": "user", "content": "a\nb"}]
-    assert chat.max_output_tokens == 16
+    assert chat.max_output_tokens is None   # the default: decode_params' default_max_tokens
     assert ChatCompletionRequest.model_validate(CHAT | {"max_tokens": 7}).max_output_tokens == 7
     both = ChatCompletionRequest.model_validate(CHAT | {"max_tokens": 7, "max_completion_tokens": 9})
     assert both.max_output_tokens == 9
@@ -116,36 +117,36 @@ def test_completion_decode_params():
         "max_tokens": 40, "top_p": 0.5, "top_k": -1, "seed": 3, "logprobs": 2, "ignore_eos": True,
         "stop_token_ids": [7, 8], "diffusion": {"policy": "entropy_bound", "entropy_bound": 0.5,
                                                 "max_denoising_steps": 4, "eos_early_stop": False}})
-    p = req.decode_params(DEFAULTS)
+    p = req.decode_params(DEFAULTS, ROOM)
     assert (p.max_tokens, p.top_p, p.top_k, p.seed, p.logprobs, p.ignore_eos, p.stop_token_ids) == (
         40, 0.5, 0, 3, 2, True, (7, 8))
     assert (p.mode, p.policy, p.entropy_bound, p.max_denoising_steps, p.eos_early_stop, p.seed_first_position) == (
         "diffusion", "entropy_bound", 0.5, 4, False, True)
     assert p.temperature is None and p.effective_temperature == 1.0
-    plain = CompletionRequest.model_validate(COMPLETION).decode_params(DEFAULTS | {"threshold": 0.7})
+    plain = CompletionRequest.model_validate(COMPLETION).decode_params(DEFAULTS | {"threshold": 0.7}, ROOM)
     assert (plain.threshold, plain.logprobs, plain.max_tokens, plain.top_k) == (0.7, None, 16, 0)
     spec = CompletionRequest.model_validate(COMPLETION | {"diffusion": {"mode": "linear_spec"}})
-    assert spec.decode_params(DEFAULTS).effective_temperature == 0.0
+    assert spec.decode_params(DEFAULTS, ROOM).effective_temperature == 0.0
 
 
 def test_chat_decode_params():
-    assert ChatCompletionRequest.model_validate(CHAT).decode_params(DEFAULTS).logprobs is None
-    assert ChatCompletionRequest.model_validate(CHAT | {"logprobs": True}).decode_params(DEFAULTS).logprobs == 0
+    assert ChatCompletionRequest.model_validate(CHAT).decode_params(DEFAULTS, ROOM).logprobs is None
+    assert ChatCompletionRequest.model_validate(CHAT | {"logprobs": True}).decode_params(DEFAULTS, ROOM).logprobs == 0
     p = ChatCompletionRequest.model_validate(CHAT | {"logprobs": True, "top_logprobs": 5, "temperature": 0,
-                                                     "max_completion_tokens": 9}).decode_params(DEFAULTS)
+                                                     "max_completion_tokens": 9}).decode_params(DEFAULTS, ROOM)
     assert (p.logprobs, p.temperature, p.max_tokens) == (5, 0, 9)
 
 
 def test_decode_params_errors_name_the_fields():
     req = CompletionRequest.model_validate(COMPLETION | {"temperature": 0.5, "diffusion": {"mode": "linear_spec"}})
     with pytest.raises(ValueError) as info:
-        req.decode_params(DEFAULTS)
+        req.decode_params(DEFAULTS, ROOM)
     assert "linear_spec" in str(info.value) and "temperature" in str(info.value)
     chat = ChatCompletionRequest.model_validate(CHAT | {"temperature": 0.5})
     with pytest.raises(ParamError, match="temperature"):
-        chat.decode_params(DEFAULTS | {"mode": "linear_spec"})  # the server's default mode conflicts
+        chat.decode_params(DEFAULTS | {"mode": "linear_spec"}, ROOM)  # the server's default mode conflicts
     with pytest.raises(ParamError) as info:  # a bad server default still names the field
-        CompletionRequest.model_validate(COMPLETION).decode_params(DEFAULTS | {"threshold": 0})
+        CompletionRequest.model_validate(COMPLETION).decode_params(DEFAULTS | {"threshold": 0}, ROOM)
     assert info.value.param == "diffusion.threshold" and str(info.value).startswith("diffusion.threshold: ")
 
 
@@ -162,8 +163,192 @@ def test_decode_params_errors_name_the_fields():
 def test_values_the_engine_cannot_hold_are_errors_naming_the_field(extra, param):
     """Every DecodeParams value means in the shards' fp32 / int64 tensors what it means here."""
     with pytest.raises(ParamError) as info:
-        CompletionRequest.model_validate(COMPLETION | extra).decode_params(DEFAULTS)
+        CompletionRequest.model_validate(COMPLETION | extra).decode_params(DEFAULTS, ROOM)
     assert info.value.param == param, info.value
+
+
+def test_a_silent_max_tokens_takes_the_default_of_its_kind_and_mode():
+    """Chat: the rest of the context in the request's mode (vLLM's default); completions: OpenAI's 16,
+    or less when the prompt leaves less; a given length is kept as given."""
+    chat = ChatCompletionRequest.model_validate(CHAT)
+    assert chat.decode_params(DEFAULTS, ROOM).max_tokens == 480
+    assert ChatCompletionRequest.model_validate(CHAT | {"diffusion": {"mode": "ar"}}).decode_params(
+        DEFAULTS, ROOM).max_tokens == 500
+    assert chat.decode_params(DEFAULTS | {"mode": "ar"}, ROOM).max_tokens == 500   # the server's default mode
+    assert ChatCompletionRequest.model_validate(CHAT | {"max_tokens": 7}).decode_params(DEFAULTS, ROOM).max_tokens == 7
+    completion = CompletionRequest.model_validate(COMPLETION)
+    assert completion.decode_params(DEFAULTS, ROOM).max_tokens == 16
+    assert completion.decode_params(DEFAULTS, lambda mode: 5).max_tokens == 5
+    assert CompletionRequest.model_validate(COMPLETION | {"max_tokens": 40}).decode_params(
+        DEFAULTS, lambda mode: 5).max_tokens == 40   # the scheduler answers a length that does not fit
+
+    def no_room(mode):
+        raise ParamError("no room", "prompt")
+    with pytest.raises(ParamError):
+        completion.decode_params(DEFAULTS, no_room)
+
+
+def test_checkpoint_sampling_defaults_apply_when_the_request_is_silent():
+    """generation_config.json's temperature/top_k/top_p (in `defaults`) fill what a request leaves out;
+    a request's own value wins; linear_spec stays greedy whatever the checkpoint's temperature."""
+    defaults = DEFAULTS | {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    p = CompletionRequest.model_validate(COMPLETION).decode_params(defaults, ROOM)
+    assert (p.temperature, p.top_k, p.top_p) == (0.6, 20, 0.95)
+    p = CompletionRequest.model_validate(COMPLETION | {"temperature": 0, "top_k": -1, "top_p": 1}).decode_params(
+        defaults, ROOM)
+    assert (p.temperature, p.top_k, p.top_p) == (0, 0, 1)
+    spec = ChatCompletionRequest.model_validate(CHAT | {"diffusion": {"mode": "linear_spec"}})
+    assert spec.decode_params(defaults, ROOM).effective_temperature == 0.0
+
+
+def test_sampling_defaults_by_family(tiny_nemotron, tmp_path):
+    """Nemotron-LD takes temperature, top_k and top_p from generation_config.json; DiffusionGemma top_k and
+    top_p (its temperature is its renoise schedule's); an unusable value fails the deploy."""
+    from deployments.app import sampling_defaults
+    from model.checkpoint import Checkpoint
+    from model.config import DiffusionGemmaConfig, GenerationDefaults, RenoiseDefaults
+    from model.tiny import DIFFUSION_GEMMA_TINY_TEXT_CONFIG
+
+    nemotron = Checkpoint.read(tiny_nemotron)
+    assert sampling_defaults(nemotron) == {}   # the tiny checkpoint's generation_config names none
+    gen = GenerationDefaults(temperature=0.7, top_k=64, top_p=0.95, max_new_tokens=100)
+    assert sampling_defaults(nemotron.model_copy(update={"generation": gen})) == {
+        "temperature": 0.7, "top_k": 64, "top_p": 0.95}
+    gemma_config = DiffusionGemmaConfig.model_validate({"model_type": "diffusion_gemma",
+                                                        "text_config": DIFFUSION_GEMMA_TINY_TEXT_CONFIG})
+    gemma = Checkpoint(path=str(tmp_path), config=gemma_config, generation=gen, renoise=RenoiseDefaults())
+    assert sampling_defaults(gemma) == {"top_k": 64, "top_p": 0.95}
+    hot = nemotron.model_copy(update={"generation": GenerationDefaults(temperature=1e6)})
+    with pytest.raises(ValueError, match="generation_config.json.*temperature"):
+        sampling_defaults(hot)
+
+
+@pytest.mark.parametrize("path, extra", [
+    ("completions", {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "min_p": 0,
+                     "logit_bias": {}, "best_of": 1, "suffix": "", "user": "u", "echo": False, "n": 1}),
+    ("completions", {"logit_bias": {"50": 0}}),
+    ("chat", {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"},
+              "parallel_tool_calls": False, "tools": [], "tool_choice": "none", "functions": [],
+              "function_call": "auto", "store": False, "modalities": ["text"], "user": "u", "n": 1}),
+    ("chat", {"parallel_tool_calls": True, "tool_choice": "auto"}),
+])
+def test_openai_fields_at_their_no_op_values_are_accepted(path, extra):
+    cls, base = (CompletionRequest, COMPLETION) if path == "completions" else (ChatCompletionRequest, CHAT)
+    plain = cls.model_validate(base).decode_params(DEFAULTS, ROOM)
+    assert cls.model_validate(base | extra).decode_params(DEFAULTS, ROOM) == plain
+
+
+@pytest.mark.parametrize("cls, extra, param, why", [
+    (CompletionRequest, {"presence_penalty": 0.5}, "presence_penalty", "in parallel"),
+    (ChatCompletionRequest, {"frequency_penalty": -1}, "frequency_penalty", "in parallel"),
+    (CompletionRequest, {"repetition_penalty": 1.1}, "repetition_penalty", "in parallel"),
+    (CompletionRequest, {"min_p": 0.1}, "min_p", "not implemented"),
+    (ChatCompletionRequest, {"logit_bias": {"5": 10}}, "logit_bias", "not implemented"),
+    (CompletionRequest, {"best_of": 3}, "best_of", "not implemented"),
+    (CompletionRequest, {"suffix": "end"}, "suffix", "not implemented"),
+    (ChatCompletionRequest, {"response_format": {"type": "json_object"}}, "response_format", "json_object"),
+    (ChatCompletionRequest, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "not constrained"),
+    (ChatCompletionRequest, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
+    (ChatCompletionRequest, {"tool_choice": "required"}, "tool_choice", "tool calling"),
+    (ChatCompletionRequest, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+     "tool calling"),
+    (ChatCompletionRequest, {"functions": [{"name": "f"}]}, "functions", "tool calling"),
+    (ChatCompletionRequest, {"store": True}, "store", "does not store"),
+    (ChatCompletionRequest, {"modalities": ["text", "audio"]}, "modalities", "text only"),
+    (CompletionRequest, {"stop": list("abcde")}, "stop", "at most 4 stop strings (got 5)"),
+    (ChatCompletionRequest, {"stop": ["x"] * 9}, "stop", "at most 4 stop strings (got 9)"),
+])
+def test_values_that_would_change_the_output_name_the_field_and_say_why(cls, extra, param, why):
+    message, got = _error(cls, (COMPLETION if cls is CompletionRequest else CHAT) | extra)
+    assert got == param and message.startswith(f"{param}: ") and why in message, message
+    assert "valid string" not in message
+
+
+def test_no_op_fields_are_in_the_served_schema_at_their_no_op_values():
+    """The schema lists what is accepted, so a client (and the schemathesis fuzz's valid requests) sends
+    the no-op values, and the fuzz's invalid ones the rest."""
+    chat = ChatCompletionRequest.model_json_schema()["properties"]
+    completion = CompletionRequest.model_json_schema()["properties"]
+    assert chat["presence_penalty"]["enum"] == [0] and completion["best_of"]["enum"] == [1]
+    assert chat["tool_choice"]["enum"] == ["none", "auto"] and chat["tools"]["maxItems"] == 0
+    assert chat["store"]["enum"] == [False] and completion["suffix"]["maxLength"] == 0
+
+
+class _CountingTokenizer:
+    """The tokenizer, counting the characters it was given to tokenize."""
+
+    def __init__(self, tok):
+        self.tok, self.chars = tok, 0
+
+    def __len__(self):
+        return len(self.tok)
+
+    def get_vocab(self):
+        return self.tok.get_vocab()
+
+    def __call__(self, text):
+        self.chars += len(text)
+        return self.tok(text)
+
+    def apply_chat_template(self, messages, **kw):
+        self.chars += sum(len(m["content"]) for m in messages)
+        return self.tok.apply_chat_template(messages, **kw)
+
+
+def test_a_prompt_longer_than_the_context_can_hold_is_refused_untokenized(tok):
+    import asyncio
+
+    from deployments.errors import APIError
+    from deployments.prompts import PromptTokenizer
+
+    counting = _CountingTokenizer(tok)
+    prompts = PromptTokenizer(counting, max_model_len=64)
+    longest = max(map(len, tok.get_vocab()))
+    assert prompts.max_chars == 64 * 2 * longest
+    assert asyncio.run(prompts.text("hello " * 10, "prompt")) == tok("hello " * 10).input_ids
+    for call, param in [(prompts.text("x" * (prompts.max_chars + 1), "prompt"), "prompt"),
+                        (prompts.chat([{"role": "user", "content": "x" * prompts.max_chars}], "messages"), "messages")]:
+        before = counting.chars
+        with pytest.raises(APIError) as err:
+            asyncio.run(call)
+        assert (err.value.status, err.value.param) == (400, param) and "characters" in err.value.message
+        assert counting.chars == before   # refused before any tokenizing
+    with pytest.raises(APIError) as err:
+        prompts.ids([1, len(tok)], "prompt")
+    assert err.value.param == "prompt" and str(len(tok)) in err.value.message
+
+
+def test_tokenizing_runs_off_the_event_loop(tok):
+    """While a long prompt is tokenized, the loop keeps running (other requests are answered): its longest
+    pause is a fraction of the tokenizing time, which it would be whole if the tokenizer ran on it."""
+    import asyncio
+    import time
+
+    from deployments.prompts import PromptTokenizer
+
+    prompts = PromptTokenizer(tok, max_model_len=10**6)
+    text = "hello world " * 150_000
+
+    async def run():
+        gaps, done = [], asyncio.Event()
+
+        async def tick():
+            while not done.is_set():
+                t = time.perf_counter()
+                await asyncio.sleep(0.005)
+                gaps.append(time.perf_counter() - t)
+        ticker = asyncio.create_task(tick())
+        start = time.perf_counter()
+        ids = await prompts.text(text, "prompt")
+        took = time.perf_counter() - start
+        done.set()
+        await ticker
+        return ids, took, max(gaps, default=took)   # no tick at all: the loop was held throughout
+
+    ids, took, longest_gap = asyncio.run(run())
+    assert len(ids) > 300_000 and took > 0.2, took   # long enough to tell the two apart
+    assert longest_gap < took / 3, (longest_gap, took)
 
 
 def _completion_response(tok, ids, lps, top):
