@@ -1,7 +1,9 @@
 """Bad input over real HTTP, for both families: a table of known-bad requests (out-of-range and
-non-finite numbers, oversized prompts, token ids out of range, huge integers, deep JSON, non-UTF-8 and
-non-JSON bodies, lone surrogates, wrong content types) and schemathesis-generated requests from the
-served OpenAPI schema of /v1/completions and /v1/chat/completions (schema-violating and valid ones).
+non-finite numbers, oversized prompts and bodies, token ids out of range, huge integers, deep JSON,
+non-UTF-8 and non-JSON bodies, lone surrogates, wrong content types, OpenAI fields at values not
+implemented, malformed X-Request-Id headers) and schemathesis-generated requests from the served
+OpenAPI schema of /v1/completions, /v1/chat/completions and /v1/models/{model_id} (schema-violating
+and valid ones).
 No response is a 5xx; every 4xx has OpenAI's error shape, and `param` names the field whenever the
 body is a JSON object; no input fails a shard; the server answers normally afterwards."""
 import collections
@@ -23,6 +25,7 @@ from tests.serve_harness import assert_openai_error, health, serving
 MODEL = "tiny"
 MAX_MODEL_LEN = 64
 STEPS_LIMIT = 64   # the servers' denoising_steps_limit: a random valid request stays seconds long on a CPU
+BODY_LIMIT = 2 * 2**20   # the servers' max_body_bytes (the 1 MB prompt below fits, and is refused for its length)
 # per app, path and generation mode (8 combinations): a fixed sequence in `make test` (a regression
 # suite that cannot pass or fail by luck), fresh random ones under -m reliability
 FUZZ_EXAMPLES = {"fixed": 100, "random": 1000}
@@ -34,7 +37,7 @@ tally = collections.Counter()  # the figures the module reports at its end
 @pytest.fixture(scope="module")
 def server(tiny_nemotron, tmp_path_factory):
     common = dict(served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, max_queue=64,
-                  denoising_steps_limit=STEPS_LIMIT)
+                  denoising_steps_limit=STEPS_LIMIT, max_body_bytes=BODY_LIMIT)
     gemma = write_diffusion_gemma(tmp_path_factory.mktemp("tiny-gemma-fuzz"), seed=0)
     with serving({"nemotron": build_app(dict(common, model=str(tiny_nemotron))),
                   "gemma": build_app(dict(common, model=str(gemma)))}) as port:
@@ -48,9 +51,9 @@ def post(port: int, app: str, path: str, body=None, raw: bytes | None = None,
                       content=raw, headers={"content-type": content_type} if raw is not None else None, timeout=60)
 
 
-def check_response(r: httpx.Response, path: str, body) -> None:
+def check_response(r: httpx.Response, path: str, body, headers: dict | None = None) -> None:
     """No 5xx; a 4xx is OpenAI-shaped and, for a JSON-object body, names a field of the request (or the
-    unknown one it sent); a 200 is a whole answer."""
+    unknown one it sent, or a header it sent); a 200 is a whole answer."""
     tally[r.status_code] += 1
     assert r.status_code < 500, f"{r.status_code} for {body!r:.300}: {r.text[:300]}"
     if r.status_code >= 400:
@@ -58,7 +61,8 @@ def check_response(r: httpx.Response, path: str, body) -> None:
         if isinstance(body, dict):
             assert error["param"], f"no param for {body!r:.300}: {error}"
             head = error["param"].split(".")[0].split("[")[0]
-            assert head in REQUEST_FIELDS[path] or head in body, error
+            sent = {h.lower() for h in headers or {}}
+            assert head in REQUEST_FIELDS[path] or head in body or head.lower() in sent, error
         return
     assert r.status_code == 200
     if isinstance(body, dict) and body.get("stream"):
@@ -97,6 +101,7 @@ BAD = [
     ("max_denoising_steps=0", C, OK | {"diffusion": {"max_denoising_steps": 0}}, None, 400,
      "diffusion.max_denoising_steps"),
     ("stop: 5 strings", C, OK | {"stop": list("abcde")}, None, 400, "stop"),
+    ("stop: 5 strings, chat", CHAT, OK_CHAT | {"stop": list("abcde")}, None, 400, "stop"),
     ("wrong type", C, OK | {"max_tokens": "many"}, None, 400, "max_tokens"),
     ("model not a string", C, OK | {"model": 5}, None, 400, "model"),
     ("unknown model", C, OK | {"model": "nope"}, None, 404, "model"),
@@ -112,6 +117,11 @@ BAD = [
     ("chat > max_model_len", CHAT, OK_CHAT | {"messages": [{"role": "user", "content": "hi " * 200}]}, None, 400,
      "messages"),
     ("1 MB prompt", C, OK | {"prompt": "x" * 2**20}, None, 400, "prompt"),
+    ("1 MB chat message", CHAT, OK_CHAT | {"messages": [{"role": "user", "content": "hi " * 2**18}]}, None, 400,
+     "messages"),
+    ("no room for a canvas, no max_tokens", C, {"model": MODEL, "prompt": [1] + [300] * 60}, None, 400, "prompt"),
+    ("no room for a canvas, chat", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 45}]},
+     None, 400, "messages"),
     ("token id = vocab", C, OK | {"prompt": [1, 997]}, None, 400, "prompt"),
     ("token id < 0", C, OK | {"prompt": [1, -1]}, None, 400, "prompt"),
     ("token id 10^30", C, OK | {"prompt": [10**30]}, None, 400, "prompt"),
@@ -145,7 +155,37 @@ BAD = [
                                            'Infinity}}'), None, 400, "diffusion.entropy_bound"),
     ("t_max Infinity", C, raw_json('{"model": "tiny", "prompt": "hi", "diffusion": {"t_max": Infinity}}'), None, 400,
      "diffusion.t_max"),
-    # bodies that are not a JSON object, or not JSON, or not UTF-8
+    # OpenAI fields taken at their no-op values only: any other value would change the output
+    ("presence_penalty", C, OK | {"presence_penalty": 0.5}, None, 400, "presence_penalty"),
+    ("frequency_penalty", CHAT, OK_CHAT | {"frequency_penalty": -2}, None, 400, "frequency_penalty"),
+    ("repetition_penalty", C, OK | {"repetition_penalty": 1.3}, None, 400, "repetition_penalty"),
+    ("presence_penalty NaN", C, raw_json('{"model": "tiny", "prompt": "hi", "presence_penalty": NaN}'), None, 400,
+     "presence_penalty"),
+    ("presence_penalty a string", CHAT, OK_CHAT | {"presence_penalty": "0"}, None, 400, "presence_penalty"),
+    ("min_p", C, OK | {"min_p": 0.05}, None, 400, "min_p"),
+    ("logit_bias", C, OK | {"logit_bias": {"5": 100}}, None, 400, "logit_bias"),
+    ("logit_bias a list", CHAT, OK_CHAT | {"logit_bias": [1]}, None, 400, "logit_bias"),
+    ("logit_bias Infinity", CHAT, raw_json('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+                                          '"logit_bias": {"5": Infinity}}'), None, 400, "logit_bias"),
+    ("best_of", C, OK | {"best_of": 2}, None, 400, "best_of"),
+    ("suffix", C, OK | {"suffix": " the end"}, None, 400, "suffix"),
+    ("response_format json_object", CHAT, OK_CHAT | {"response_format": {"type": "json_object"}}, None, 400,
+     "response_format"),
+    ("response_format json_schema", CHAT, OK_CHAT | {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {}}}}, None, 400, "response_format"),
+    ("response_format a string", CHAT, OK_CHAT | {"response_format": "text"}, None, 400, "response_format"),
+    ("tools", CHAT, OK_CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, None, 400, "tools"),
+    ("tool_choice required", CHAT, OK_CHAT | {"tool_choice": "required"}, None, 400, "tool_choice"),
+    ("tool_choice a function", CHAT, OK_CHAT | {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+     None, 400, "tool_choice"),
+    ("functions", CHAT, OK_CHAT | {"functions": [{"name": "f"}]}, None, 400, "functions"),
+    ("function_call", CHAT, OK_CHAT | {"function_call": {"name": "f"}}, None, 400, "function_call"),
+    ("store", CHAT, OK_CHAT | {"store": True}, None, 400, "store"),
+    ("modalities audio", CHAT, OK_CHAT | {"modalities": ["text", "audio"]}, None, 400, "modalities"),
+    ("parallel_tool_calls not a bool", CHAT, OK_CHAT | {"parallel_tool_calls": "maybe"}, None, 400,
+     "parallel_tool_calls"),
+    # bodies that are not a JSON object, or not JSON, or not UTF-8, or too large
+    ("body over max_body_bytes", C, b'{"model": "tiny", "prompt": "' + b"x" * BODY_LIMIT + b'"}', None, 413, None),
     ("deep JSON", C, b'{"model": "tiny", "prompt": "hi", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None,
      400, None),
     ("deep JSON in a field", C, OK | {"stop": json.loads("[" * 500 + "]" * 500)}, None, 400, "stop"),
@@ -191,6 +231,36 @@ def test_bad_input_is_rejected_naming_the_field(server, app, case):
         assert not isinstance(body, dict)
 
 
+# OpenAI fields at the values that change nothing, as SDKs and chat front-ends send them by default
+NO_OPS = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "min_p": 0, "logit_bias": {},
+          "user": "someone", "n": 1, "top_p": 1}
+NO_OP_CASES = [(C, OK | NO_OPS | {"best_of": 1, "suffix": "", "echo": False, "logit_bias": {"7": 0}}),
+               (CHAT, OK_CHAT | NO_OPS | {"response_format": {"type": "text"}, "parallel_tool_calls": True, "tools": [],
+                                          "tool_choice": "none", "functions": [], "function_call": "none",
+                                          "store": False, "modalities": ["text"], "logprobs": False}),
+               (CHAT, OK_CHAT | {"parallel_tool_calls": False, "tool_choice": "auto"})]
+
+
+@pytest.mark.parametrize("app", ["nemotron", "gemma"])
+@pytest.mark.parametrize("path, body", NO_OP_CASES, ids=["completions", "chat", "chat, tool_choice auto"])
+def test_openai_fields_at_their_no_op_values_are_served(server, app, path, body):
+    r = post(server, app, path, body)
+    check_response(r, path, body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text[:300]
+
+
+@pytest.mark.parametrize("app", ["nemotron", "gemma"])
+@pytest.mark.parametrize("request_id", ["x" * 257, "two words", "caf\xe9"])
+def test_a_malformed_request_id_is_a_400_naming_the_header(server, app, request_id):
+    """(UTF-8 bytes: Ray Serve's proxy decodes the header as UTF-8, and answers other bytes with its own
+    500 before any app sees the request.)"""
+    r = httpx.post(f"http://127.0.0.1:{server}/{app}{C}", json=OK, timeout=60,
+                   headers={"x-request-id": request_id.encode()})
+    tally["known-bad requests"] += 1
+    assert r.status_code == 400, r.text[:300]
+    assert_openai_error(r.json(), 400, "X-Request-Id")
+
+
 # ---- generated from the served OpenAPI schema ----------------------------------------------------
 
 def _served_model(drawn):
@@ -216,10 +286,37 @@ def test_requests_generated_from_the_served_schema(server, app, path, mode, draw
     @given(case=st.tuples(operation.as_strategy(generation_mode=mode), st.integers(0, 3).map(bool)).map(_served_model))
     def run(case):
         body = case.body if isinstance(case.body, (dict, list, str, int, float, bool)) else None
-        check_response(case.call(base_url=base, timeout=60), path, body)
+        check_response(case.call(base_url=base, timeout=60), path, body, case.headers)
         tally[f"generated {mode.value}"] += 1
 
     run()
+
+
+@pytest.mark.parametrize("draw", ["fixed", pytest.param("random", marks=pytest.mark.reliability)])
+@pytest.mark.parametrize("mode", [GenerationMode.NEGATIVE, GenerationMode.POSITIVE], ids=["invalid", "valid"])
+def test_model_ids_generated_from_the_served_schema(server, mode, draw):
+    """GET /v1/models/{model_id} with generated ids (and X-Request-Id headers): the served model's card, or
+    an OpenAI-shaped 404 (400 for a malformed X-Request-Id); never a 5xx."""
+    base = f"http://127.0.0.1:{server}/nemotron"
+    schema = schemathesis.openapi.from_dict(httpx.get(f"{base}/openapi.json", timeout=30).json())
+    operation = schema["/v1/models/{model_id}"]["GET"]
+
+    @settings(max_examples=FUZZ_EXAMPLES[draw] // 2, deadline=None, database=None, derandomize=draw == "fixed",
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def run(case):
+        r = case.call(base_url=base, timeout=30)
+        tally[r.status_code] += 1
+        assert r.status_code in (200, 400, 404), f"{r.status_code} for {case.path_parameters}: {r.text[:300]}"
+        if r.status_code == 200:
+            assert r.json()["id"] == MODEL == case.path_parameters["model_id"]
+        else:
+            assert_openai_error(r.json(), r.status_code)
+        tally[f"generated model ids {mode.value}"] += 1
+
+    run()
+    r = httpx.get(f"{base}/v1/models/{MODEL}", timeout=30)
+    assert r.status_code == 200 and r.json()["id"] == MODEL
 
 
 def test_no_bad_input_failed_a_shard(server):
