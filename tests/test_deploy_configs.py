@@ -69,7 +69,8 @@ def test_serve_config_args_are_app_args(serve_config):
     parsed = AppArgs(**args)
     assert parsed.model is None  # the embedded tiny model unless the operator names a checkpoint
     for field in ("tensor_parallel_size", "dtype", "device", "max_num_seqs", "max_model_len", "max_queue",
-                  "num_replicas", "mode", "policy", "threshold", "entropy_bound", "max_denoising_steps"):
+                  "num_replicas", "mode", "policy", "threshold", "entropy_bound", "max_denoising_steps",
+                  "max_body_bytes"):
         assert field in args, field
 
 
