@@ -3,9 +3,12 @@
 Requests forbid unknown fields, so a misspelt option is a 400 that names it; a JSON `null` means
 "not given" (the field's default). Numbers must be finite (Python's json reads NaN and Infinity) and
 strings valid Unicode (JSON's \ud800 escapes decode to lone surrogates, which no tokenizer or UTF-8
-encoder takes), so neither reaches the engine or an error message. `decode_params(defaults)` turns a
-request plus the server's defaults into the engine's `DecodeParams`, raising `ParamError` (a
-ValueError) that names the field.
+encoder takes), so neither reaches the engine or an error message. `decode_params(defaults,
+default_max_tokens)` turns a request plus the server's and the checkpoint's defaults into the engine's
+`DecodeParams`, raising `ParamError` (a ValueError) that names the field; a request that names no
+length gets `default_max_tokens(mode)` (the ingress: what the prompt leaves of the context).
+OpenAI fields that this server does not implement are taken at the values that change nothing, which
+clients send by default (`NO_OPS`); any other value is a 400 naming the field and saying why.
 Responses are plain models shaped like OpenAI's (checked against the `openai` client's types).
 """
 from __future__ import annotations
@@ -97,8 +100,9 @@ NO_OPS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
 def _no_op(default: Any, *accepted: Any, **schema: Any) -> Any:
     """A NO_OPS field: `default` when not given; the served schema lists the `accepted` values."""
     extra = schema or {"enum": list(accepted or (default,))}
-    return Field(default_factory=lambda: default, json_schema_extra=extra) if isinstance(default, (dict, list)) \
-        else Field(default, json_schema_extra=extra)
+    if isinstance(default, (dict, list)):
+        return Field(default_factory=lambda: type(default)(default), json_schema_extra=extra)   # a fresh copy
+    return Field(default, json_schema_extra=extra)
 
 
 class _SamplingRequest(_Strict):

@@ -234,7 +234,8 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 
 def test_request_id_is_echoed_and_names_the_response(server):
     body = {"model": MODEL, "prompt": "id", "max_tokens": 4}
-    r = httpx.post(url(server, "tp1", "/completions"), json=body, headers=AUTH | {"x-request-id": "trace-7"}, timeout=60)
+    r = httpx.post(url(server, "tp1", "/completions"), json=body, headers=AUTH | {"x-request-id": "trace-7"},
+                   timeout=60)
     assert r.status_code == 200 and r.json()["id"] == "cmpl-trace-7"
     assert r.headers.get_list("x-request-id") == ["trace-7"]   # Serve's proxy echoes it, once
     made = httpx.post(url(server, "tp1", "/completions"), json=body, headers=AUTH, timeout=60)
