@@ -39,6 +39,7 @@ def copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 
 def replicated_loader(param: nn.Parameter, source) -> None:
+    check_shape(source, param.shape)
     copy_into(param, read_slice(source, 0, 0, source.shape[0]))
 
 
