@@ -176,7 +176,7 @@ def gemma_forward(model, kv, rows, soft=None) -> torch.Tensor:
 
 def gemma_schedule(model, tp) -> list[torch.Tensor]:
     """Prefill two slots; both denoise a self-conditioned canvas; slot 0 commits while slot 1 denoises;
-    slot 0 denoises its next canvas."""
+    slot 0 denoises its next canvas. Each forward's logits of its real tokens [n, V]."""
     from model.attention import LayeredKVCache
     from tests.vocab_reductions import gather_vocab
 
@@ -194,13 +194,17 @@ def gemma_schedule(model, tp) -> list[torch.Tensor]:
                 ([(0, 20, False, toks(C)), (1, 9, False, toks(C))], soft),
                 ([(0, 20, True, toks(C)), (1, 9, False, toks(C))], soft),
                 ([(0, 20 + C, False, toks(C))], soft[:1])]
-    return [gather_vocab(gemma_forward(model, kv, rows, s), V, tp) for rows, s in forwards]
+    out = []
+    for rows, s in forwards:
+        logits = gather_vocab(gemma_forward(model, kv, rows, s), V, tp)
+        out.append(torch.cat([logits[b, : len(row[3])] for b, row in enumerate(rows)]))
+    return out
 
 
 def schedule(model, tp) -> list[torch.Tensor]:
-    """Every forward's full-vocabulary logits, flattened to [tokens, V] (padding included)."""
+    """Every forward's full-vocabulary logits of its real tokens [n, V]."""
     if model.config.model_type == "diffusion_gemma":
-        return [x.flatten(0, -2) for x in gemma_schedule(model, tp)]
+        return gemma_schedule(model, tp)
     from tests.tp_harness import run_mixed_schedule
 
     return [torch.cat([logits for _, logits in forward]) for forward in run_mixed_schedule(model, tp)]
