@@ -122,7 +122,7 @@ class GemmaExperts(nn.Module):
         check_shape(source, (self.hidden, self.total_intermediate))
         copy_into(param.data[e], read_slice(source, 1, start, start + self.intermediate))
 
-    def project(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, pairs: "SortedPairs",
+    def project(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, pairs: SortedPairs,
                 gather: bool = False) -> torch.Tensor:
         """grouped_linear with one of the two weights (FP8: fp8_grouped_linear with its scales)."""
         if scale is None:

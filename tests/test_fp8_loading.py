@@ -19,9 +19,8 @@ from model.loader import checkpoint_files, load_model
 from model.parallel.group import TPGroup
 from model.parallel.linear import RowParallelLinear
 from model.tiny import fp8_dynamic_config, save_safetensors
-from tests.fp8_reference import FP8_DYNAMIC, dequantized_parameters, read_tensors, twin_checkpoint
+from tests.fp8_reference import FP8_DYNAMIC, dequantized_parameters, read_tensors, schedule, twin_checkpoint
 from tests.test_reductions import fake_rank
-from tests.tp_harness import new_cache, run_rows
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +216,7 @@ def test_a_bad_tensor_fails_at_load_naming_it(checkpoints, tmp_path, family, edi
 def test_scales_without_a_quantization_config_are_named(checkpoints, tmp_path):
     msg = load_error(broken(checkpoints["nemotron"][0], tmp_path / "ckpt",
                             config_edit=lambda cfg: cfg.pop("quantization_config")))
-    assert f"unexpected tensors (14): encoder.layers.0.mlp.down_proj.weight_scale" in msg
+    assert "unexpected tensors (14): encoder.layers.0.mlp.down_proj.weight_scale" in msg
     assert "14 of them quantization scales: config.json has no quantization_config" in msg
 
 
@@ -231,18 +230,20 @@ def test_an_unsupported_scheme_fails_at_load_naming_the_field(checkpoints, tmp_p
 
 # --------------------------------------------------------------------------------------------------
 
-def test_dummy_fp8_weights(tiny_fp8_nemotron, tmp_path):
-    """load_format=dummy for an FP8 config (benchmarks of full-size FP8 shapes): FP8 weights that
-    dequantize to ~ N(0, 0.02) like the unquantized dummy, and a forward that runs."""
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_dummy_fp8_weights(checkpoints, family, tmp_path):
+    """load_format=dummy for an FP8 config (benchmarks of full-size FP8 shapes): FP8 weights, experts
+    included, that dequantize to ~ N(0, 0.02) like the unquantized dummy, and a forward that runs."""
     model_dir = tmp_path / "config-only"
     model_dir.mkdir()
-    shutil.copy(tiny_fp8_nemotron / "config.json", model_dir)
+    shutil.copy(checkpoints[family][0] / "config.json", model_dir)
     model = load_model(model_dir, load_format="dummy", show_progress=False)
+    params = dict(model.named_parameters())
+    fp8 = [n for n, p in params.items() if p.dtype == FP8]
+    assert len(fp8) == (8 if family == "nemotron" else 18)
     weights = dequantized_parameters(model)
-    w = weights["encoder.layers.0.self_attn.qkv_proj.weight"]
-    assert dict(model.named_parameters())["encoder.layers.0.self_attn.qkv_proj.weight"].dtype == FP8
-    assert abs(w.std().item() - 0.02) < 0.002 and abs(w.mean().item()) < 0.002
-    ids = torch.randint(0, 997, (1, 12), generator=torch.Generator().manual_seed(0))
-    logits = run_rows(model, new_cache(model, slots=1, max_len=16), [(0, 0, True)], ids.tolist())
-    assert torch.isfinite(logits).all()
-    assert TPGroup() == model.tp
+    for name in fp8:
+        w = weights[name]
+        assert abs(w.std().item() - 0.02) < 0.002 and abs(w.mean().item()) < 0.002, name
+    forward = schedule(model, TPGroup())
+    assert all(torch.isfinite(logits).all() for logits in forward)
