@@ -9,7 +9,7 @@ arrive.
 The functions below are the reference that every device without an FP8 kernel runs (the CPU, and CUDA
 until its kernels land), and that the FP8 kernels must reproduce: they round the activations to FP8 in
 fp32 exactly as compressed-tensors' dynamic token quantization does (x / sx; vLLM's kernels multiply by
-1 / sx instead, which moves a value across an FP8 rounding boundary about once in 10^6), with vLLM's
+1 / sx instead, which moves a value across an FP8 rounding boundary a few times in 10^7), with vLLM's
 floor on the scale, and compute with the dequantized weight and activation in fp32 (fp64 for an fp64
 model), rounding to the model's dtype once at the end, as an FP8 GEMM with its scales in the fp32
 epilogue does. Dequantization is exact: an FP8 value (4 significant bits) times a bf16 scale (8) fits
