@@ -60,6 +60,23 @@ class Checkpoint(BaseModel):
         return FAMILIES[self.config.model_type]
 
     @property
+    def quantization(self) -> str | None:
+        """How the weights are stored quantized: config.json's quantization_config.quant_method
+        ("compressed-tensors": FP8-dynamic, the one scheme read), or None."""
+        scheme = self.config.quantization_config
+        return None if scheme is None else scheme.quant_method
+
+    def check_quantization(self, requested: str | None) -> None:
+        """An application's `quantization` argument (vLLM's --quantization) against this checkpoint: None
+        (the checkpoint's config decides) or its own method; a ValueError naming `quantization` otherwise.
+        Weights are served as stored: an unquantized checkpoint is never quantized at load."""
+        if requested is None or requested == self.quantization:
+            return
+        stored = f"quantized with {self.quantization!r}" if self.quantization else "not quantized"
+        raise ValueError(f"quantization={requested!r}, but the checkpoint {self.path} is {stored} "
+                         f"(its config.json's quantization_config decides; leave quantization unset)")
+
+    @property
     def budget(self) -> StepBudget:
         """What a runner of this checkpoint bounds a request's remaining steps by (model/phases.py)."""
         return self.family.step_budget(self.config.canvas_length, self.renoise)

@@ -2,6 +2,7 @@
 
 The per-architecture constants (mask id, canvas length, vocabulary) are read here and nowhere else.
 Loading never executes checkpoint code: `auto_map` entries are ignored, only fields are read.
+A quantized checkpoint's `quantization_config` is read by model/quant_config.py (FP8-dynamic only).
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+
+from model.quant_config import QuantizationConfig, QuantScope
 
 
 class _Frozen(BaseModel):
@@ -57,9 +60,16 @@ class RopeParameters(_Frozen):
 
 
 class _CheckpointConfig(_Frozen):
-    """What every family's config shares: `eos_token_id` is one id or a list in config.json."""
+    """What every family's config shares: `eos_token_id` is one id or a list in config.json, and
+    `quantization_config` (absent: every weight in `dtype`)."""
 
     eos_token_id: int | list[int]
+    quantization_config: QuantizationConfig | None = None
+
+    @property
+    def quant_scope(self) -> QuantScope:
+        """Which linear modules hold FP8 weights, from the checkpoint's root module path."""
+        return QuantScope(self.quantization_config)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -213,7 +223,7 @@ class DiffusionGemmaConfig(_CheckpointConfig):
             # transformers then halves the window and makes the encoder bidirectional: not a text server
             raise ValueError("text_config.use_bidirectional_attention='all' is not supported (causal encoder expected)")
         flat = {k: v for k, v in text.items() if k != "model_type"}
-        for key in ("canvas_length", "model_type"):
+        for key in ("canvas_length", "model_type", "quantization_config"):
             if key in data:
                 flat[key] = data[key]
         for key in ("eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype"):

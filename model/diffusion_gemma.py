@@ -20,6 +20,10 @@ and proportional RoPE on a quarter of each head. Attention is unscaled (q_norm /
 `soft` is the previous denoise step's soft embedding `softmax(logits / T) @ W_embed * sqrt(hidden)`
 (`soft_embedding`), zero on a canvas's first step, where post_norm still runs.
 
+Linear layers and experts hold FP8 weights where the checkpoint's quantization_config says so (`quant`:
+the scope of a module's checkpoint path, model/quant_config.py; the real FP8 checkpoint keeps the
+routers and the self-conditioning MLP unquantized).
+
 Tensor parallel: query heads split, KV heads split or (fewer than tp) replicated; dense MLP,
 self-conditioning MLP and every expert split along their intermediate dims; embedding and tied head
 vocabulary-sharded. Collectives per layer: o_proj's all-reduce and one for the dense MLP and the experts
@@ -40,6 +44,7 @@ from model.moe import GemmaExperts, GemmaRouter
 from model.parallel.group import TPGroup
 from model.parallel.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                    VocabParallelEmbedding, new_param)
+from model.quant_config import QuantScope
 from model.sampling.renoise import self_condition_embedding
 
 
@@ -77,17 +82,20 @@ class GemmaRotaryEmbedding(nn.Module):
 
 
 class DiffusionGemmaAttention(nn.Module):
-    def __init__(self, cfg: DiffusionGemmaConfig, layer_idx: int, tp: TPGroup):
+    def __init__(self, cfg: DiffusionGemmaConfig, layer_idx: int, tp: TPGroup, quant: QuantScope):
         super().__init__()
         self.layer_idx = layer_idx
         self.is_sliding = cfg.is_sliding(layer_idx)
         self.head_dim = cfg.layer_head_dim(layer_idx)
         self.total_num_heads = cfg.num_attention_heads
         self.total_num_kv_heads = cfg.layer_num_kv_heads(layer_idx)
+        projections = ("q_proj", "k_proj", "v_proj") if self.is_sliding else ("q_proj", "k_proj")
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, self.total_num_heads,
-                                          self.total_num_kv_heads, tp, with_v=self.is_sliding)
+                                          self.total_num_kv_heads, tp, with_v=self.is_sliding,
+                                          fp8=quant.fp8(*projections))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, cfg.hidden_size, tp)
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, cfg.hidden_size, tp,
+                                        fp8=quant.fp8("o_proj"))
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.v_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
@@ -109,23 +117,25 @@ class GemmaMLP(nn.Module):
     """down(gelu_tanh(gate(x)) * up(x)), column/row parallel, -> this rank's partial sum: its down
     projection does not reduce, the layer's experts sum it with theirs in one collective."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup, quant: QuantScope):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, reduce_results=False)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp,
+                                                       fp8=quant.fp8("gate_proj", "up_proj"))
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, reduce_results=False,
+                                           fp8=quant.fp8("down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_mul(self.gate_up_proj(x)))
 
 
 class DiffusionGemmaDecoderLayer(nn.Module):
-    def __init__(self, cfg: DiffusionGemmaConfig, layer_idx: int, tp: TPGroup):
+    def __init__(self, cfg: DiffusionGemmaConfig, layer_idx: int, tp: TPGroup, quant: QuantScope):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = DiffusionGemmaAttention(cfg, layer_idx, tp)
-        self.mlp = GemmaMLP(h, cfg.intermediate_size, tp)
-        self.router = GemmaRouter(cfg)
-        self.experts = GemmaExperts(cfg, tp)
+        self.self_attn = DiffusionGemmaAttention(cfg, layer_idx, tp, quant / "self_attn")
+        self.mlp = GemmaMLP(h, cfg.intermediate_size, tp, quant / "mlp")
+        self.router = GemmaRouter(cfg, quant / "router")
+        self.experts = GemmaExperts(cfg, tp, quant / "experts")
         self.input_layernorm = GemmaRMSNorm(h, eps)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
@@ -154,12 +164,13 @@ class DiffusionGemmaDecoderLayer(nn.Module):
 class GemmaSelfConditioning(nn.Module):
     """x = post_norm(e + down(gelu(gate(pre_norm(soft))) * up(pre_norm(soft)))); post_norm has no scale."""
 
-    def __init__(self, cfg: DiffusionGemmaConfig, tp: TPGroup):
+    def __init__(self, cfg: DiffusionGemmaConfig, tp: TPGroup, quant: QuantScope):
         super().__init__()
         self.pre_norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, with_scale=False)
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp,
+                                                       fp8=quant.fp8("gate_proj", "up_proj"))
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, fp8=quant.fp8("down_proj"))
 
     def forward(self, e: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
         if soft is None:  # every row on its first step: the MLP of a zero signal is exactly zero
@@ -170,14 +181,15 @@ class GemmaSelfConditioning(nn.Module):
 class DiffusionGemmaDecoder(nn.Module):
     """transformers' DiffusionGemmaDecoderModel: embedding, layers, final norm, self-conditioning."""
 
-    def __init__(self, cfg: DiffusionGemmaConfig, tp: TPGroup, dtype: torch.dtype):
+    def __init__(self, cfg: DiffusionGemmaConfig, tp: TPGroup, dtype: torch.dtype, quant: QuantScope):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         # rounded to the model dtype, as transformers' embed_scale buffer (sqrt(2816) -> 53.0 in bf16)
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype), persistent=False)
-        self.layers = nn.ModuleList(DiffusionGemmaDecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DiffusionGemmaDecoderLayer(cfg, i, tp, quant / f"layers.{i}")
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_conditioning = GemmaSelfConditioning(cfg, tp)
+        self.self_conditioning = GemmaSelfConditioning(cfg, tp, quant / "self_conditioning")
         self.rotary = nn.ModuleDict({
             SLIDING: GemmaRotaryEmbedding(cfg.head_dim, cfg.rope_parameters[SLIDING], dtype),
             FULL: GemmaRotaryEmbedding(cfg.layer_head_dim(cfg.layer_type_list.index(FULL)),
@@ -202,10 +214,10 @@ class DiffusionGemmaEncoderScalars(nn.Module):
 
 
 class DiffusionGemmaModel(nn.Module):
-    def __init__(self, cfg: DiffusionGemmaConfig, tp: TPGroup, dtype: torch.dtype):
+    def __init__(self, cfg: DiffusionGemmaConfig, tp: TPGroup, dtype: torch.dtype, quant: QuantScope):
         super().__init__()
         self.encoder = DiffusionGemmaEncoderScalars(cfg.num_hidden_layers)
-        self.decoder = DiffusionGemmaDecoder(cfg, tp, dtype)
+        self.decoder = DiffusionGemmaDecoder(cfg, tp, dtype, quant / "decoder")
 
 
 class DiffusionGemmaForBlockDiffusion(nn.Module):
@@ -230,7 +242,7 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
         cfg.check_tensor_parallel(tp.world_size)
         self.config = cfg
         self.tp = tp
-        self.model = DiffusionGemmaModel(cfg, tp, dtype)
+        self.model = DiffusionGemmaModel(cfg, tp, dtype, cfg.quant_scope / "model")
 
     @property
     def decoder(self) -> DiffusionGemmaDecoder:

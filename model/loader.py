@@ -3,7 +3,13 @@
 A checkpoint is one `model.safetensors` or shards named by `model.safetensors.index.json`. Tensors are
 opened lazily (`safe_open(...).get_slice`) and every parameter's own `weight_loader` reads only this
 rank's rows or columns. The family's `packed_modules` maps checkpoint projections onto fused ones
-(q/k/v -> qkv_proj, gate/up -> gate_up_proj); nothing else is per-model loading code.
+(q/k/v -> qkv_proj, gate/up -> gate_up_proj), and a parameter fused from several tensors of its own
+module carries their names (`checkpoint_names`: FP8 experts, stored one per expert); nothing else is
+per-model loading code.
+
+A tensor's dtype is checked before it is read: an FP8 parameter reads float8_e4m3fn only, every other
+parameter (scales included) a 16-, 32- or 64-bit float, so an FP8 tensor never lands, unscaled, in a
+parameter that would cast it.
 """
 from __future__ import annotations
 
@@ -24,14 +30,20 @@ from model.families import FAMILIES
 from model.parallel.group import TPGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# safetensors' dtype names (its header) -> torch's; any other is reported by name
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 class LazyTensor:
-    """A checkpoint tensor whose slices are read on indexing (`.shape`, `[...]`)."""
+    """A checkpoint tensor whose slices are read on indexing (`.shape`, `.dtype`, `[...]`)."""
 
     def __init__(self, handle, name: str):
         self._slice = handle.get_slice(name)
         self.shape = tuple(self._slice.get_shape())
+        stored = self._slice.get_dtype()
+        self.dtype = SAFETENSORS_DTYPES.get(stored, stored)
 
     def __getitem__(self, index) -> torch.Tensor:
         return self._slice[index]
@@ -60,10 +72,14 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[str, object]]:
     for ckpt_module, (ours, shard) in packed.items():
         fused.setdefault(ours, []).append((ckpt_module, shard))
     expected = {}
-    for name, _ in model.named_parameters():
+    for name, param in model.named_parameters():
         parts = name.split(".")
         module = parts[-2] if len(parts) >= 2 else ""
-        if module in fused:
+        own = getattr(param, "checkpoint_names", None)
+        if own is not None:
+            # fused from several tensors under its own module (FP8 experts: experts.{e}.gate_proj.weight, ...)
+            expected.update((".".join(parts[:-1] + [suffix]), (name, shard)) for suffix, shard in own.items())
+        elif module in fused:
             # a fused module may hold only some of the projections (DiffusionGemma's full layers: q|k, K = V)
             shards = getattr(model.get_submodule(".".join(parts[:-1])), "checkpoint_shards", None)
             for ckpt_module, shard in fused[module]:
@@ -88,6 +104,9 @@ def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = 
             lines.append(f"  missing tensors ({len(missing)}): {', '.join(missing)}")
         if unexpected:
             lines.append(f"  unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
+        scales = [n for n in missing + unexpected if n.endswith(SCALE_SUFFIXES)]
+        if scales:
+            lines.append(f"  ({len(scales)} of them quantization scales: {_quantization_hint(model)})")
         raise ValueError("\n".join(lines))
     params = dict(model.named_parameters())
     by_file: dict[Path, list[str]] = {}
@@ -101,6 +120,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = 
                     param_name, shard = expected[name]
                     param = params[param_name]
                     source = LazyTensor(handle, name)
+                    check_dtype(name, param, source)
                     try:
                         if shard is None:
                             param.weight_loader(param, source)
@@ -111,17 +131,49 @@ def load_weights(model: nn.Module, model_dir: str | Path, show_progress: bool = 
                     bar.update()
 
 
+SCALE_SUFFIXES = (".weight_scale", ".input_scale")
+
+
+def _quantization_hint(model: nn.Module) -> str:
+    scheme = model.config.quantization_config
+    if scheme is None:
+        return "config.json has no quantization_config, so this model expects none"
+    return (f"config.json's quantization_config quantizes every Linear outside its ignore list "
+            f"({len(scheme.ignore or ())} entries), and this model expects a weight_scale for each")
+
+
+def check_dtype(name: str, param: torch.Tensor, source) -> None:
+    """ValueError naming the tensor if its stored dtype is not what `param` reads."""
+    wanted = (torch.float8_e4m3fn,) if param.dtype == torch.float8_e4m3fn else FLOATS
+    if source.dtype not in wanted:
+        quantized = "an FP8 weight" if param.dtype == torch.float8_e4m3fn else "an unquantized parameter"
+        raise ValueError(f"{name}: dtype {source.dtype} in the checkpoint, but it loads into {quantized} "
+                         f"(expected {' or '.join(str(d) for d in wanted)})")
+
+
+# dummy FP8 weights: values ~ N(0, DUMMY_FP8_STD) well inside FP8's range, scales making them ~ N(0, 0.02)
+DUMMY_FP8_STD = 64.0
+
+
 def fill_dummy(model: nn.Module, seed: int = 0) -> None:
     """Random weights for benchmarks of full-size shapes without a checkpoint: matrices ~ N(0, 0.02),
-    norm weights 1 (a norm scaled by 0.02 would shrink every activation towards zero)."""
+    norm weights 1 (a norm scaled by 0.02 would shrink every activation towards zero). FP8 weights
+    dequantize to N(0, 0.02) too: values ~ N(0, 64) rounded to FP8, every scale 0.02 / 64."""
     gens: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():
+        if getattr(param, "fp8_scale", False):
+            param.data.fill_(0.02 / DUMMY_FP8_STD)
+            continue
         if param.dim() == 1:
             param.data.fill_(1.0)
             continue
         # drawn where the parameter lives: an 8B model's worth of CPU draws would take minutes
         gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
-        param.data.normal_(0.0, 0.02, generator=gen)
+        if param.dtype == torch.float8_e4m3fn:
+            values = torch.empty(param.shape, device=param.device).normal_(0.0, DUMMY_FP8_STD, generator=gen)
+            param.data.copy_(values.clamp(-448, 448))
+        else:
+            param.data.normal_(0.0, 0.02, generator=gen)
 
 
 @contextlib.contextmanager

@@ -10,6 +10,12 @@ reduce), and the experts sum both in one all-reduce: one collective per layer fo
 
 The (token, expert) pairs are sorted by expert and each projection runs as one grouped matmul over
 them (`grouped_linear`): no host sync and no per-expert loop, so a step stays CUDA-graph capturable.
+
+FP8 experts (compressed-tensors FP8-dynamic, model/fp8.py) are stored one per expert in the checkpoint
+(`experts.{e}.{gate,up,down}_proj.weight` and `.weight_scale` [out, 1]) and fused at load into the same
+grouped layout, float8_e4m3fn, with their scales beside them: gate_up [E, 2I, H] with [E, 2I], down
+[E, H, I] with [E, H]. Under tensor parallelism the gate/up scales split with their rows, the down scales
+(per output channel of a row-parallel projection) stay whole.
 """
 from __future__ import annotations
 
@@ -22,20 +28,23 @@ from torch import nn
 from model import batch_invariant
 from model.batch_invariant import row_sum, softmax
 from model.config import DiffusionGemmaConfig
+from model.fp8 import FP8, compute_dtype, dequantize, fake_quantize_per_token
 from model.fused import gelu_mul
 from model.parallel.group import TPGroup
-from model.parallel.linear import ReplicatedLinear, copy_into, divide, new_param, read_slice
+from model.parallel.linear import (ReplicatedLinear, check_shape, copy_into, divide, new_param, new_scale,
+                                   read_slice)
+from model.quant_config import QuantScope
 
 
 class GemmaRouter(nn.Module):
     """Top-k experts per token from the un-normed residual: softmax in fp32, the k weights renormalised
     to sum 1, then each scaled by its expert's `per_expert_scale`. Replicated: every rank routes alike."""
 
-    def __init__(self, cfg: DiffusionGemmaConfig):
+    def __init__(self, cfg: DiffusionGemmaConfig, quant: QuantScope):
         super().__init__()
         self.top_k = cfg.top_k_experts
         self.scalar_root_size = cfg.hidden_size ** -0.5
-        self.proj = ReplicatedLinear(cfg.hidden_size, cfg.num_experts)
+        self.proj = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, fp8=quant.fp8("proj"))
         self.scale = new_param(cfg.hidden_size)
         self.per_expert_scale = new_param(cfg.num_experts)
 
@@ -55,29 +64,70 @@ class GemmaRouter(nn.Module):
 
 class GemmaExperts(nn.Module):
     """Every expert on every rank, each split along its intermediate dim (gate|up rows, down columns).
-    Checkpoint layout: gate_up_proj [E, 2 * I, H] (gate rows first), down_proj [E, H, I]. The seams of a
-    quantized variant: the two weights with their loaders, and `grouped_linear`, the one place they are
-    applied."""
+    Checkpoint layout: gate_up_proj [E, 2 * I, H] (gate rows first), down_proj [E, H, I]; FP8 (`quant`
+    quantizes the checkpoint's `experts.{e}.*_proj`): per expert, fused here (the module docstring).
+    The weights are applied in one place, `project`."""
 
-    def __init__(self, cfg: DiffusionGemmaConfig, tp: TPGroup):
+    def __init__(self, cfg: DiffusionGemmaConfig, tp: TPGroup, quant: QuantScope):
         super().__init__()
         self.tp = tp
-        self.num_experts = cfg.num_experts
+        self.num_experts, self.hidden = E, H = cfg.num_experts, cfg.hidden_size
         self.total_intermediate = cfg.moe_intermediate_size
         self.intermediate = divide(cfg.moe_intermediate_size, tp.world_size, "moe_intermediate_size")
-        self.gate_up_proj = new_param(cfg.num_experts, 2 * self.intermediate, cfg.hidden_size,
-                                      loader=self.gate_up_loader)
-        self.down_proj = new_param(cfg.num_experts, cfg.hidden_size, self.intermediate, loader=self.down_loader)
+        if not quant.fp8(*(f"{e}.{p}" for e in range(E) for p in ("gate_proj", "up_proj", "down_proj"))):
+            self.gate_up_proj = new_param(E, 2 * self.intermediate, H, loader=self.gate_up_loader)
+            self.down_proj = new_param(E, H, self.intermediate, loader=self.down_loader)
+            self.gate_up_proj_scale = self.down_proj_scale = None
+            return
+        i = self.intermediate
+        self.gate_up_proj = new_param(E, 2 * i, H, loader=self.expert_gate_up_loader, dtype=FP8)
+        self.gate_up_proj_scale = new_scale(E, 2 * i, loader=self.expert_gate_up_loader)
+        self.down_proj = new_param(E, H, i, loader=self.expert_down_loader, dtype=FP8)
+        self.down_proj_scale = new_scale(E, H, loader=self.expert_down_loader)
+        # the checkpoint tensors each parameter is fused from, under this module, with their shard ids
+        for suffix, param in (("weight", self.gate_up_proj), ("weight_scale", self.gate_up_proj_scale)):
+            param.checkpoint_names = {f"{e}.{p}.{suffix}": (e, half) for e in range(E)
+                                      for half, p in enumerate(("gate_proj", "up_proj"))}
+        for suffix, param in (("weight", self.down_proj), ("weight_scale", self.down_proj_scale)):
+            param.checkpoint_names = {f"{e}.down_proj.{suffix}": e for e in range(E)}
 
     def gate_up_loader(self, param: nn.Parameter, source) -> None:
         i, start = self.intermediate, self.tp.rank * self.intermediate
+        check_shape(source, (self.num_experts, 2 * self.total_intermediate, self.hidden))
         for half in range(2):  # gate, then up
             offset = half * self.total_intermediate + start
             copy_into(param.data.narrow(1, half * i, i), read_slice(source, 1, offset, offset + i))
 
     def down_loader(self, param: nn.Parameter, source) -> None:
         start = self.tp.rank * self.intermediate
+        check_shape(source, (self.num_experts, self.hidden, self.total_intermediate))
         copy_into(param, read_slice(source, 2, start, start + self.intermediate))
+
+    def expert_gate_up_loader(self, param: nn.Parameter, source, shard: tuple[int, int]) -> None:
+        """Expert e's gate (half 0) or up (half 1) projection [I, H], or its scales [I, 1]: this rank's rows."""
+        e, half = shard
+        i, start = self.intermediate, self.tp.rank * self.intermediate
+        is_scale = param.dim() == 2
+        check_shape(source, (self.total_intermediate, 1 if is_scale else self.hidden))
+        rows = read_slice(source, 0, start, start + i)
+        copy_into(param.data[e].narrow(0, half * i, i), rows[:, 0] if is_scale else rows)
+
+    def expert_down_loader(self, param: nn.Parameter, source, e: int) -> None:
+        """Expert e's down projection [H, I]: this rank's columns; or its scales [H, 1]: all of them."""
+        if param.dim() == 2:
+            check_shape(source, (self.hidden, 1))
+            copy_into(param.data[e], read_slice(source, 0, 0, self.hidden)[:, 0])
+            return
+        start = self.tp.rank * self.intermediate
+        check_shape(source, (self.hidden, self.total_intermediate))
+        copy_into(param.data[e], read_slice(source, 1, start, start + self.intermediate))
+
+    def project(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, pairs: SortedPairs,
+                gather: bool = False) -> torch.Tensor:
+        """grouped_linear with one of the two weights (FP8: fp8_grouped_linear with its scales)."""
+        if scale is None:
+            return grouped_linear(x, weight, pairs, gather)
+        return fp8_grouped_linear(x, weight, scale, pairs, gather)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 shared: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +135,8 @@ class GemmaExperts(nn.Module):
         branch of the same tokens (the layer's dense MLP) -> (shared, experts' output) [T, H] each, both
         summed over the ranks in one all-reduce."""
         pairs = sort_pairs(ids, self.num_experts)
-        y = grouped_linear(gelu_mul(grouped_linear(x, self.gate_up_proj, pairs, gather=True)), self.down_proj, pairs)
+        h = gelu_mul(self.project(x, self.gate_up_proj, self.gate_up_proj_scale, pairs, gather=True))
+        y = self.project(h, self.down_proj, self.down_proj_scale, pairs)
         routed = combine_pairs(y, pairs, weights).to(x.dtype)
         if not self.tp.is_parallel:   # alone: no copy into a stack
             return shared, routed
@@ -144,6 +195,18 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, pairs: SortedPairs, gather:
     # no host sync, but N weight copies, so only for the small models those run
     group = torch.searchsorted(pairs.ends, torch.arange(n, device=x.device, dtype=pairs.ends.dtype), right=True)
     return torch.einsum("ni,noi->no", x, w[group])
+
+
+def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, pairs: SortedPairs,
+                       gather: bool = False) -> torch.Tensor:
+    """grouped_linear of FP8 expert weights w [E, out, in] with their scales [E, out] -> [P, out] in x's
+    dtype. The seam of an FP8 grouped kernel (on CUDA: the triton grouped kernel reading FP8 weights,
+    per-token activation scales and per-channel weight scales in its epilogue). Until then every device
+    runs this reference (model/fp8.py): x rounded to FP8 per token (per pair row: a gathered row is its
+    token's), weights dequantized, the matmul in fp32 (fp64 for an fp64 model)."""
+    dtype = compute_dtype(x.dtype)
+    xq, wq = fake_quantize_per_token(x, dtype), dequantize(w, scale.unsqueeze(-1), dtype)
+    return grouped_linear(xq, wq, pairs, gather).to(x.dtype)
 
 
 def _grouped_mm_takes(x: torch.Tensor) -> bool:

@@ -5,7 +5,8 @@
     for each layer:  h += o(attn(rope(q(n1(h))) * s(pos), rope(k(n1(h))), v(n1(h))));  h += down(silu(gate(n2(h))) * up(n2(h)))
     logits_r = diffusion_head_r(norm(h))          # this rank's vocabulary slice
 
-with s(pos) the Llama-4 query scale. Each residual add is fused with the norm after it (model/fused.py):
+with s(pos) the Llama-4 query scale. Linear layers hold FP8 weights where the checkpoint's
+quantization_config says so (`quant`: the scope of a module's checkpoint path, model/quant_config.py). Each residual add is fused with the norm after it (model/fused.py):
 a layer takes the residual stream and the previous sublayer's output, and returns both. Whether attention is causal or bidirectional, and which KV it
 reads and writes, is the step context's business (model.attention), not the model's.
 """
@@ -22,10 +23,11 @@ from model.layers import RMSNorm, RotaryEmbedding
 from model.parallel.group import TPGroup
 from model.parallel.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model.parallel.linear import ParallelLMHead, VocabParallelEmbedding
+from model.quant_config import QuantScope
 
 
 class NemotronLDAttention(nn.Module):
-    def __init__(self, cfg: NemotronLabsDiffusionConfig, layer_idx: int, tp: TPGroup):
+    def __init__(self, cfg: NemotronLabsDiffusionConfig, layer_idx: int, tp: TPGroup, quant: QuantScope):
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = cfg.head_size
@@ -33,9 +35,10 @@ class NemotronLDAttention(nn.Module):
         self.total_num_kv_heads = cfg.num_key_value_heads
         self.scale = self.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, self.total_num_heads,
-                                          self.total_num_kv_heads, tp)
+                                          self.total_num_kv_heads, tp, fp8=quant.fp8("q_proj", "k_proj", "v_proj"))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, cfg.hidden_size, tp)
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, cfg.hidden_size, tp,
+                                        fp8=quant.fp8("o_proj"))
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         b, n, _ = x.shape
@@ -50,22 +53,23 @@ class NemotronLDAttention(nn.Module):
 
 
 class NemotronLDMLP(nn.Module):
-    def __init__(self, cfg: NemotronLabsDiffusionConfig, tp: TPGroup):
+    def __init__(self, cfg: NemotronLabsDiffusionConfig, tp: TPGroup, quant: QuantScope):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp,
+                                                       fp8=quant.fp8("gate_proj", "up_proj"))
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, fp8=quant.fp8("down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class NemotronLDDecoderLayer(nn.Module):
-    def __init__(self, cfg: NemotronLabsDiffusionConfig, layer_idx: int, tp: TPGroup):
+    def __init__(self, cfg: NemotronLabsDiffusionConfig, layer_idx: int, tp: TPGroup, quant: QuantScope):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = NemotronLDAttention(cfg, layer_idx, tp)
+        self.self_attn = NemotronLDAttention(cfg, layer_idx, tp, quant / "self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = NemotronLDMLP(cfg, tp)
+        self.mlp = NemotronLDMLP(cfg, tp, quant / "mlp")
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the residual stream; delta: the previous sublayer's output, not yet added (None before the
@@ -80,10 +84,11 @@ class NemotronLDDecoderLayer(nn.Module):
 
 
 class NemotronLDEncoder(nn.Module):
-    def __init__(self, cfg: NemotronLabsDiffusionConfig, tp: TPGroup, dtype: torch.dtype):
+    def __init__(self, cfg: NemotronLabsDiffusionConfig, tp: TPGroup, dtype: torch.dtype, quant: QuantScope):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(NemotronLDDecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(NemotronLDDecoderLayer(cfg, i, tp, quant / f"layers.{i}")
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.to_transformers(), dtype)
 
@@ -109,7 +114,7 @@ class NemotronLabsDiffusionModel(nn.Module):
         cfg.check_tensor_parallel(tp.world_size)
         self.config = cfg
         self.tp = tp
-        self.encoder = NemotronLDEncoder(cfg, tp, dtype)
+        self.encoder = NemotronLDEncoder(cfg, tp, dtype, cfg.quant_scope / "encoder")
         self.diffusion_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
 
     @property

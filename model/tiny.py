@@ -1,11 +1,19 @@
 """Write a tiny random checkpoint in a family's real format, for tests and `make serve`.
 
     python -m model.tiny OUTDIR --family nemotron-ld|diffusion-gemma [--seed N] [--shards K]
+                         [--quantize fp8-dynamic]
 
 `config.json` carries the real field names, the safetensors the real tensor names (optionally sharded
 with `model.safetensors.index.json`), plus `generation_config.json` and an offline-built tokenizer
 whose special tokens sit at the ids the config names. Weights are random but scaled so that
 distributions are peaked enough for greedy decoding to be well separated from ties.
+
+`--quantize fp8-dynamic` writes the same weights as a compressed-tensors FP8-dynamic checkpoint, in
+the format of RedHatAI/diffusiongemma-26B-A4B-it-FP8-dynamic: `quantization_config` as that library
+saves it, every Linear outside the ignore list as an F8_E4M3 `weight` plus its BF16 `weight_scale`
+[out, 1], DiffusionGemma's experts one per expert (`experts.{e}.{gate,up,down}_proj`), and an ignore
+list of module names like the real one's (Nemotron-LD: its head; DiffusionGemma: every router.proj,
+the vision tower, embed_vision, the self-conditioning MLP, lm_head).
 """
 from __future__ import annotations
 
@@ -15,8 +23,10 @@ import math
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
+from model.fp8 import quantize_per_channel
 from model.tiny_tokenizer import GEMMA_STYLE_CHAT_TEMPLATE, MISTRAL_STYLE_CHAT_TEMPLATE, build_tiny_tokenizer
 
 # Divisible by tp = 1, 2, 3 (heads, kv heads, intermediate); the vocabulary (997, prime) is not.
@@ -80,13 +90,51 @@ def save_safetensors(tensors: dict[str, torch.Tensor], outdir: Path, shards: int
     (outdir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def write_nemotron_ld(outdir: Path, seed: int = 0, shards: int = 1, **overrides) -> Path:
+# ---- FP8-dynamic (compressed-tensors) -------------------------------------------------------------
+
+QUANTIZE = ("fp8-dynamic",)
+
+
+def fp8_dynamic_config(ignore: list[str]) -> dict:
+    """config.json's quantization_config as compressed-tensors (0.20) saves an FP8_DYNAMIC model (its
+    QuantizationConfig.model_dump, plus what saving a compressed model adds: the group's format,
+    sparsity and transform configs, the version)."""
+    def args(strategy: str, dynamic: bool) -> dict:
+        return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": strategy,
+                "dynamic": dynamic}
+
+    return {"config_groups": {"group_0": {"targets": ["Linear"], "weights": args("channel", False),
+                                          "input_activations": args("token", True), "output_activations": None,
+                                          "format": "float-quantized"}},
+            "quant_method": "compressed-tensors", "kv_cache_scheme": None, "format": "float-quantized",
+            "quantization_status": "compressed", "global_compression_ratio": None, "ignore": ignore,
+            "moe_sparsity_config": None, "sparsity_config": {}, "transform_config": {}, "version": "0.20.1"}
+
+
+def quantize_linears(tensors: dict[str, torch.Tensor], linears: list[str], ignore: list[str]) -> dict[str, torch.Tensor]:
+    """Each Linear module's `weight` (modules outside `ignore`) -> F8_E4M3 `weight` + BF16 `weight_scale`."""
+    out = dict(tensors)
+    for module in linears:
+        if module not in ignore and f"{module}.weight" in out:
+            out[f"{module}.weight"], out[f"{module}.weight_scale"] = quantize_per_channel(out[f"{module}.weight"])
+    return out
+
+
+def write_nemotron_ld(outdir: Path, seed: int = 0, shards: int = 1, quantize: str | None = None,
+                      **overrides) -> Path:
     cfg = {**NEMOTRON_LD_TINY_CONFIG, **overrides}
+    tensors = nemotron_ld_tensors(cfg, seed)
+    if quantize is not None:
+        assert quantize in QUANTIZE, quantize
+        ignore = ["diffusion_head"]   # the head stays unquantized, as llm-compressor's recipes keep lm_head
+        linears = [n.removesuffix(".weight") for n, t in tensors.items() if t.dim() == 2 and "embed_tokens" not in n]
+        tensors = quantize_linears(tensors, linears, ignore)
+        cfg["quantization_config"] = fp8_dynamic_config(ignore)
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "config.json").write_text(json.dumps(cfg, indent=2))
     generation = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
     (outdir / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    save_safetensors(nemotron_ld_tensors(cfg, seed), outdir, shards)
+    save_safetensors(tensors, outdir, shards)
     specials = NEMOTRON_LD_SPECIAL_TOKENS
     build_tiny_tokenizer(outdir, vocab_size=cfg["vocab_size"], special_tokens=specials,
                          bos_token=specials[cfg["bos_token_id"]], eos_token=specials[cfg["eos_token_id"]],
@@ -149,8 +197,35 @@ def _randomize_diffusion_gemma(model, seed: int) -> None:
                 b.copy_(0.75 + 0.5 * torch.rand(b.shape, generator=gen))
 
 
+def _diffusion_gemma_to_fp8(model, outdir: Path, shards: int) -> None:
+    """Rewrite the checkpoint save_pretrained wrote in outdir as the FP8-dynamic one: experts split one
+    per expert (the quantizer's per-expert Linears), every Linear outside the ignore list quantized."""
+    files = sorted(outdir.glob("*.safetensors"))
+    tensors = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            tensors |= {n: f.get_tensor(n) for n in f.keys()}
+        file.unlink()
+    (outdir / "model.safetensors.index.json").unlink(missing_ok=True)
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    for name in [n for n in tensors if n.endswith(".experts.gate_up_proj")]:
+        experts = name.removesuffix(".gate_up_proj")
+        gate_up, down = tensors.pop(name), tensors.pop(f"{experts}.down_proj")
+        inter = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            for proj, w in (("gate_proj", gate_up[e, :inter]), ("up_proj", gate_up[e, inter:]), ("down_proj", down[e])):
+                tensors[f"{experts}.{e}.{proj}.weight"] = w.contiguous()
+                linears.append(f"{experts}.{e}.{proj}")
+    kept = ("router.proj", "vision_tower.", "embed_vision.", "self_conditioning.")
+    ignore = [n for n in linears if n == "lm_head" or any(k in n for k in kept)]
+    save_safetensors(quantize_linears(tensors, linears, ignore), outdir, shards)
+    cfg = json.loads((outdir / "config.json").read_text())
+    cfg["quantization_config"] = fp8_dynamic_config(ignore)
+    (outdir / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
 def write_diffusion_gemma(outdir: Path, seed: int = 0, shards: int = 1, canvas_length: int = 16,
-                          **text_overrides) -> Path:
+                          quantize: str | None = None, **text_overrides) -> Path:
     """Built with transformers' own DiffusionGemma classes and save_pretrained, so config.json and the
     tensor names are exactly what transformers writes (tied weights once, under model.decoder.*)."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
@@ -165,6 +240,9 @@ def write_diffusion_gemma(outdir: Path, seed: int = 0, shards: int = 1, canvas_l
     outdir.mkdir(parents=True, exist_ok=True)
     unique = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}  # tied once
     model.save_pretrained(outdir, max_shard_size=sum(unique.values()) // shards + 1 if shards > 1 else "50GB")
+    if quantize is not None:
+        assert quantize in QUANTIZE, quantize
+        _diffusion_gemma_to_fp8(model, outdir, shards)
     eos = text["eos_token_id"]
     generation = {"bos_token_id": text["bos_token_id"], "eos_token_id": eos, "pad_token_id": text["pad_token_id"],
                   **DIFFUSION_GEMMA_TINY_GENERATION}
@@ -186,9 +264,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--family", choices=sorted(FAMILIES), default="nemotron-ld")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shards", type=int, default=1)
+    parser.add_argument("--quantize", choices=QUANTIZE, default=None,
+                        help="write a compressed-tensors FP8-dynamic checkpoint")
     args = parser.parse_args(argv)
-    FAMILIES[args.family](args.outdir, seed=args.seed, shards=args.shards)
-    print(f"wrote a tiny {args.family} checkpoint to {args.outdir}")
+    FAMILIES[args.family](args.outdir, seed=args.seed, shards=args.shards, quantize=args.quantize)
+    quantized = f" ({args.quantize})" if args.quantize else ""
+    print(f"wrote a tiny {args.family} checkpoint{quantized} to {args.outdir}")
 
 
 if __name__ == "__main__":

@@ -17,3 +17,20 @@ def tiny_nemotron(tmp_path_factory):
     from model.tiny import write_nemotron_ld
 
     return write_nemotron_ld(tmp_path_factory.mktemp("tiny-nemotron-ld"), seed=0, shards=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8_nemotron(tmp_path_factory):
+    """The tiny Nemotron-Labs-Diffusion checkpoint as compressed-tensors FP8-dynamic (2 shards)."""
+    from model.tiny import write_nemotron_ld
+
+    return write_nemotron_ld(tmp_path_factory.mktemp("tiny-fp8-nemotron-ld"), seed=0, shards=2, quantize="fp8-dynamic")
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8_gemma(tmp_path_factory):
+    """The tiny DiffusionGemma checkpoint as compressed-tensors FP8-dynamic (2 shards), in the format of
+    RedHatAI/diffusiongemma-26B-A4B-it-FP8-dynamic."""
+    from model.tiny import write_diffusion_gemma
+
+    return write_diffusion_gemma(tmp_path_factory.mktemp("tiny-fp8-gemma"), seed=0, shards=2, quantize="fp8-dynamic")

@@ -2,7 +2,13 @@
 `weight_loader(param, source[, shard_id])` that reads only this rank's slice of a checkpoint tensor.
 
 `source` is anything indexable with a tuple of slices and carrying `.shape` (a torch tensor, or the
-loader's lazy safetensors slice), so a rank never materialises a whole checkpoint tensor.
+loader's lazy safetensors slice), so a rank never materialises a whole checkpoint tensor. A loader
+checks the whole tensor's shape before it reads its slice.
+
+Built with `fp8=True` (model/quant_config.py says which), a linear holds its weight as float8_e4m3fn
+plus `weight_scale` [out, 1], one scale per output channel, and multiplies through model.fp8. Its scales
+are sharded as its rows are: split with them in column-parallel layers (each of q/k/v's or gate/up's
+rows to where its weight rows go, replicated KV heads included), whole in row-parallel ones.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.batch_invariant import linear
+from model.fp8 import FP8, fp8_linear
 from model.parallel.group import TPGroup, shard_range
 
 
@@ -20,6 +27,11 @@ def read_slice(source, dim: int, start: int, stop: int) -> torch.Tensor:
     return source[tuple(index)]
 
 
+def check_shape(source, shape: tuple[int, ...]) -> None:
+    if tuple(source.shape) != tuple(shape):
+        raise ValueError(f"shape mismatch: checkpoint tensor {tuple(source.shape)} vs expected {tuple(shape)}")
+
+
 def copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint slice {tuple(loaded.shape)}")
@@ -27,13 +39,23 @@ def copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 
 def replicated_loader(param: nn.Parameter, source) -> None:
+    check_shape(source, param.shape)
     copy_into(param, read_slice(source, 0, 0, source.shape[0]))
 
 
-def new_param(*shape: int, loader=replicated_loader) -> nn.Parameter:
+def new_param(*shape: int, loader=replicated_loader, dtype: torch.dtype | None = None) -> nn.Parameter:
+    """dtype None: the default dtype (the model's, while load_model builds it)."""
     # torch.empty: weights come from a checkpoint (or the dummy filler); init work would be wasted.
-    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     p.weight_loader = loader
+    return p
+
+
+def new_scale(*shape: int, loader) -> nn.Parameter:
+    """The scales of an FP8 weight (one per output channel), in fp32: what an FP8 GEMM's epilogue reads
+    (a bf16 checkpoint scale converts exactly)."""
+    p = new_param(*shape, loader=loader, dtype=torch.float32)
+    p.fp8_scale = True
     return p
 
 
@@ -44,17 +66,25 @@ def divide(total: int, tp: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    """y = x W^T with this rank's W [output_size, input_size], built already sharded. The seams of a
-    quantized variant: `weight` with its `weight_loader(param, source[, shard_id])` (what a rank stores,
-    and how a checkpoint slice gets there; each subclass defines its loader), and `matmul` (the one
-    place the weight is applied: model.batch_invariant.linear, which the batch-invariant mode routes)."""
+    """y = x W^T with this rank's W [output_size, input_size], built already sharded: `weight` with its
+    `weight_loader(param, source[, shard_id])` (what a rank stores, and how a checkpoint slice gets there;
+    each subclass defines its loader), and `matmul`, the one place the weight is applied
+    (model.batch_invariant.linear, which the batch-invariant mode routes; model.fp8.fp8_linear for an FP8
+    weight). `fp8`: W is float8_e4m3fn and its `weight_scale` [output_size, 1] is loaded by `scale_loader`."""
 
-    def __init__(self, input_size: int, output_size: int):
+    def __init__(self, input_size: int, output_size: int, fp8: bool = False):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size   # this rank's
-        self.weight = new_param(output_size, input_size, loader=self.weight_loader)
+        self.weight = new_param(output_size, input_size, loader=self.weight_loader, dtype=FP8 if fp8 else None)
+        self.weight_scale = new_scale(output_size, 1, loader=self.scale_loader) if fp8 else None
+
+    def scale_loader(self, param: nn.Parameter, source, *shard_id) -> None:
+        """Per-output-channel scales go where their weight rows go (row-parallel layers override)."""
+        self.weight_loader(param, source, *shard_id)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale)
         return linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,14 +101,15 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """W's output rows split across ranks; the output stays sharded (no collective)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], tp: TPGroup):
+    def __init__(self, input_size: int, output_sizes: list[int], tp: TPGroup, fp8: bool = False):
         shards = [divide(n, tp.world_size, "output size") for n in output_sizes]
-        super().__init__(input_size, sum(shards))
+        super().__init__(input_size, sum(shards), fp8)
         self.tp, self.output_sizes = tp, shards
 
     def weight_loader(self, param: nn.Parameter, source, shard_id: int = 0) -> None:
         size = self.output_sizes[shard_id]
         offset = sum(self.output_sizes[:shard_id])
+        check_shape(source, (size * self.tp.world_size, param.shape[1]))
         rows = read_slice(source, 0, self.tp.rank * size, (self.tp.rank + 1) * size)
         copy_into(param.data.narrow(0, offset, size), rows)
 
@@ -94,7 +125,7 @@ class QKVParallelLinear(LinearBase):
     heads, fewer than tp = 4 or 8). shard_id is "q", "k" or "v"."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
-                 tp: TPGroup, with_v: bool = True):
+                 tp: TPGroup, with_v: bool = True, fp8: bool = False):
         num_heads = divide(total_num_heads, tp.world_size, "num_attention_heads")
         if total_num_kv_heads >= tp.world_size:
             num_kv_heads = divide(total_num_kv_heads, tp.world_size, "num_key_value_heads")
@@ -106,8 +137,10 @@ class QKVParallelLinear(LinearBase):
                              f"tensor_parallel_size={tp.world_size} ways")
         shards = ("q", "k", "v") if with_v else ("q", "k")
         sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
-        super().__init__(hidden_size, sum(sizes[s] for s in shards))
+        super().__init__(hidden_size, sum(sizes[s] for s in shards), fp8)
         self.tp = tp
+        self.checkpoint_rows = {"q": total_num_heads * head_dim, "k": total_num_kv_heads * head_dim,
+                                "v": total_num_kv_heads * head_dim}
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
         self.checkpoint_shards = shards   # which *_proj the loader expects
         self.sizes = sizes
@@ -121,6 +154,7 @@ class QKVParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, source, shard_id: str = "q") -> None:
         offset = sum(self.sizes[s] for s in self.checkpoint_shards[: self.checkpoint_shards.index(shard_id)])
         start = self.first_head[shard_id] * self.head_dim
+        check_shape(source, (self.checkpoint_rows[shard_id], param.shape[1]))
         rows = read_slice(source, 0, start, start + self.sizes[shard_id])
         copy_into(param.data.narrow(0, offset, self.sizes[shard_id]), rows)
 
@@ -130,13 +164,19 @@ class RowParallelLinear(LinearBase):
     them, unless `reduce_results=False`, where the caller's layer sums them together with others in one
     collective (DiffusionGemma's dense MLP, with its experts: model.moe.GemmaExperts)."""
 
-    def __init__(self, input_size: int, output_size: int, tp: TPGroup, reduce_results: bool = True):
-        super().__init__(divide(input_size, tp.world_size, "input size"), output_size)
+    def __init__(self, input_size: int, output_size: int, tp: TPGroup, reduce_results: bool = True,
+                 fp8: bool = False):
+        super().__init__(divide(input_size, tp.world_size, "input size"), output_size, fp8)
         self.tp, self.reduce_results = tp, reduce_results
 
     def weight_loader(self, param: nn.Parameter, source) -> None:
         n = self.input_size
+        check_shape(source, (self.output_size, n * self.tp.world_size))
         copy_into(param, read_slice(source, 1, self.tp.rank * n, (self.tp.rank + 1) * n))
+
+    def scale_loader(self, param: nn.Parameter, source) -> None:
+        """Every rank computes all output channels (partial sums over its columns): all the scales."""
+        replicated_loader(param, source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
@@ -157,6 +197,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = new_param(self.vocab_end - self.vocab_start, hidden_size, loader=self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, source) -> None:
+        check_shape(source, (self.vocab_size, param.shape[1]))
         copy_into(param, read_slice(source, 0, self.vocab_start, self.vocab_end))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,75 @@
+"""FP8-dynamic arithmetic (compressed-tensors' FP8_DYNAMIC scheme, model/quant_config.py): weights
+stored as float8_e4m3fn with one scale per output channel, activations quantized per token as they
+arrive.
+
+    weight:      W  ~ Wq * sw          Wq [out, in] float8_e4m3fn, sw [out, 1] (the checkpoint's)
+    activation:  sx = max(absmax(x_t) / 448, 1 / (448 * 512)),  xq = fp8(clamp(x_t / sx, +-448))
+    y_t         = (xq * sx) (Wq * sw)^T
+
+The functions below are the reference that every device without an FP8 kernel runs (the CPU, and CUDA
+until its kernels land), and that the FP8 kernels must reproduce: they round the activations to FP8 in
+fp32 exactly as compressed-tensors' dynamic token quantization does (x / sx; vLLM's kernels multiply by
+1 / sx instead, which moves a value across an FP8 rounding boundary a few times in 10^7), with vLLM's
+floor on the scale, and compute with the dequantized weight and activation in fp32 (fp64 for an fp64
+model), rounding to the model's dtype once at the end, as an FP8 GEMM with its scales in the fp32
+epilogue does. Dequantization is exact: an FP8 value (4 significant bits) times a bf16 scale (8) fits
+fp32's 24. So CPU results predict GPU ones up to the GEMM's summation order.
+
+Under tensor parallelism a row-parallel layer's input is split along K, and each rank scales its own
+slice of a token (as vLLM does): no collective for the scales, a finer rounding than TP = 1's.
+"""
+from __future__ import annotations
+
+import torch
+
+from model.batch_invariant import linear
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0   # torch.finfo(float8_e4m3fn).max
+# The floor of a dynamic per-token scale: vLLM's _FP8_MIN_SCALING_FACTOR = 1 / (FP8_MAX * 512)
+# (vllm/model_executor/layers/quantization/input_quant_fp8.py, and its CUDA per-token kernel), so a
+# row of zeros quantizes to zeros rather than 0 / 0. (compressed-tensors' own calibration only replaces
+# a zero scale, by 0.125 for FP8; a served model's activations follow vLLM's rule.)
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What an FP8 matmul of a `dtype` model accumulates in: fp32 (fp64 for an fp64 model)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (xq [..., K] float8_e4m3fn, sx [..., 1] fp32): symmetric, one scale per row."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_per_channel(w: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checkpoint's weight [..., out, in] -> (Wq float8_e4m3fn, sw [..., out, 1] in `scale_dtype`): the
+    scale absmax / 448 per output channel (compressed-tensors' calculate_qparams for a symmetric float8),
+    rounded to its stored dtype first so that Wq is what that stored scale dequantizes."""
+    wf = w.float()
+    scale = (wf.abs().amax(-1, keepdim=True) / FP8_MAX).to(scale_dtype)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)   # an all-zero channel: any scale
+    return (wf / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q * scale in `dtype` (exact in fp32 and fp64); scale broadcasts over q's last dim."""
+    return q.to(dtype) * scale.to(dtype)
+
+
+def fake_quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to FP8 per token as the served path rounds it, dequantized into `dtype`."""
+    return dequantize(*quantize_per_token(x), dtype)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """x [..., in] W^T for an FP8 weight [out, in] with its scales [out, 1] -> [..., out] in x's dtype.
+
+    The seam of the FP8 kernels: on CUDA, an FP8 GEMM goes here (torch._scaled_mm of quantize_per_token(x)
+    and weight.t() with scale_a = sx, scale_b = weight_scale.t(), out_dtype = x.dtype). Until then every
+    device runs this reference, through batch_invariant.linear as the unquantized path does."""
+    dtype = compute_dtype(x.dtype)
+    return linear(fake_quantize_per_token(x, dtype), dequantize(weight, weight_scale, dtype)).to(x.dtype)
