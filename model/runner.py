@@ -60,7 +60,8 @@ class Runner:
         self.model, self.device = model, torch.device(device)
         self.C = cfg.canvas_length
         self.max_model_len = max_model_len
-        dtype = next(model.parameters()).dtype
+        # the compute dtype: an FP8 model's quantized weights are one byte; its norms and embeddings are not
+        dtype = next(p.dtype for p in model.parameters() if p.element_size() > 1)
         if batch_invariant and (self.device.type != "cuda" or dtype == torch.float64):
             raise ValueError("batch_invariant needs device cuda and a bf16/fp16/fp32 model (its fixed-order "
                              "kernels are triton's)")
