@@ -27,6 +27,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayError
+from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 # Counted through the module (`prom.REQUESTS`), never a name imported from it: deployments/errors.py says why.
@@ -106,7 +107,7 @@ class OpenAIIngress:
         self.args = AppArgs(**args)
         self.gate = GateSettings(self.args.api_key, self.args.max_body_bytes, self.args.request_timeout_s)
         self.model_dir = checkpoint.path
-        self.model_name = self.args.model_name()
+        self.model_name = prom.REQUESTS.model = self.args.model_name()
         self.created = int(time.time())
         self.coordinator = coordinator
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -188,9 +189,15 @@ class OpenAIIngress:
             response.cancel()
             reason = reason or self.placement.reason() or WARMING_UP
             raise APIError(503, reason, "service_unavailable", headers={"Retry-After": "5"}) from None
+        except DeploymentUnavailableError as err:   # it failed to deploy: say why, if placement is why
+            raise self._failed_to_deploy(err) from None
         except RayError as err:
             raise APIError(503, f"unhealthy: {_last_line(err)}", "service_unavailable",
                            headers={"Retry-After": "1"}) from None
+
+    def _failed_to_deploy(self, err: DeploymentUnavailableError) -> APIError:
+        reason = self.placement.reason()
+        return APIError(503, err.message + (f" {reason}" if reason else ""), "service_unavailable")
 
     async def _ready_stats(self) -> dict:
         """The coordinator's stats if it is ready; 503 with what it is doing otherwise."""
@@ -269,6 +276,8 @@ class OpenAIIngress:
             item = await stream.__anext__()
         except StopAsyncIteration:
             return None
+        except DeploymentUnavailableError as err:
+            raise self._failed_to_deploy(err) from None
         except (RayError, RuntimeError) as err:  # the coordinator replica itself died or was replaced
             raise APIError(503, f"the model replica failed: {type(err).__name__}", "service_unavailable",
                            headers={"Retry-After": "1"}) from None
@@ -406,5 +415,5 @@ def build_app(args: dict):
         ray_actor_options={"num_cpus": REPLICA_BUNDLE["CPU"]},
         graceful_shutdown_timeout_s=a.drain_timeout_s,
     ).bind(runner_args, a.tensor_parallel_size, shard_bundle(use_gpu, a.shard_cpus), engine_args, a.command_timeout_s,
-           a.placement_timeout_s)
+           a.placement_timeout_s, a.model_name())
     return OpenAIIngress.bind(coordinator, {**a.model_dump(), "model": model_dir, "device": device}, checkpoint)

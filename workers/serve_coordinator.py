@@ -13,6 +13,7 @@ exceptions re-wrapped by Ray: {"output": RequestOutput} or {"error": kind, "mess
 """
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator
 
 from ray import serve
@@ -20,6 +21,7 @@ from ray import serve
 from model.checkpoint import RunnerArgs
 from model.sampling.params import DecodeParams
 from workers.coordinator import Coordinator, RequestError
+from workers.ray_metrics import RayMetricsExport
 
 
 REPLICA_BUNDLE = {"CPU": 1}
@@ -38,7 +40,7 @@ def placement_bundles(tp: int, use_gpu: bool, shard_cpus: float = 1.0) -> list[d
                   health_check_timeout_s=60, graceful_shutdown_timeout_s=5)
 class CoordinatorDeployment:
     async def __init__(self, runner_args: RunnerArgs, tp: int, shard: dict, engine_args: dict,
-                       command_timeout_s: float = 120.0, placement_timeout_s: float = 300.0):
+                       command_timeout_s: float = 120.0, placement_timeout_s: float = 300.0, model_name: str = ""):
         # Here, not at the top: the shards' code (torch, the runner) loads in the replica that starts
         # shards, not in every process that imports this module (the ingress, to bind the application).
         from workers.ray_shards import RayShards
@@ -48,6 +50,8 @@ class CoordinatorDeployment:
                            command_timeout_s=command_timeout_s, placement_timeout_s=placement_timeout_s)
         self.coordinator = Coordinator(runner_args.checkpoint, shards, **engine_args)
         await self.coordinator.start()
+        # this replica's series through Ray's metrics (every replica's, summed by the operator's Prometheus)
+        self._export = asyncio.get_running_loop().create_task(RayMetricsExport(self.coordinator, model_name).run())
 
     async def generate(self, prompt: list[int], params: DecodeParams, request_id: str | None = None
                        ) -> AsyncIterator[dict]:
