@@ -37,11 +37,14 @@ class RequestCounts:
     def __init__(self, model: str = ""):
         self.model = model   # the ingress sets it: a tag of the Ray series
         self.counts: Counter[tuple[str, str]] = Counter()
-        self.ray_counter = ray_metrics.Counter("dllm_requests", REQUESTS_HELP, tag_keys=("model", "endpoint", "status"))
+        self.ray_counter = None   # made at the first count, in the replica: Serve tags it with the replica then
 
     def add(self, endpoint: str | None, status: int) -> None:
         if endpoint is not None:
             self.counts[(endpoint, str(status))] += 1
+            if self.ray_counter is None:
+                self.ray_counter = ray_metrics.Counter("dllm_requests", REQUESTS_HELP,
+                                                       tag_keys=("model", "endpoint", "status"))
             self.ray_counter.inc(tags={"model": self.model, "endpoint": endpoint, "status": str(status)})
 
 

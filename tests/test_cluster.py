@@ -9,7 +9,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -230,3 +232,162 @@ def test_pack_replica_spans_two_nodes_and_answers_like_tp1(cluster, tiny_nemotro
             pytest.approx(logprobs, abs=1e-6)
     finally:
         serve.delete("pack")
+
+
+def test_serve_deploy_of_serve_config_yaml(cluster, tiny_nemotron, tmp_path):
+    """The real CLI: `serve deploy serve_config.yaml --address <dashboard>`, `serve status`, a request. The
+    config is the shipped one but for what one machine needs: the checkpoint, and one HTTP proxy on a free
+    port (a proxy per node would bind the same port of this machine)."""
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config.update(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": cluster.http_port})
+    (app,) = config["applications"]
+    app["args"]["model"] = str(tiny_nemotron)
+    (tmp_path / "serve_config.yaml").write_text(yaml.safe_dump(config))
+    address = f"http://{cluster.webui_url}"
+    serve_cli = str(Path(sys.executable).with_name("serve"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+    def cli(*args: str) -> str:
+        done = subprocess.run([serve_cli, *args, "--address", address], capture_output=True, text=True, timeout=120,
+                              cwd=ROOT, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    try:
+        cli("deploy", str(tmp_path / "serve_config.yaml"))
+        status = wait_until(lambda: (s := yaml.safe_load(cli("status"))["applications"].get("dllm", {}))
+                            .get("status") == "RUNNING" and s, 120, "`serve status` to show dllm RUNNING")
+        assert status["deployments"]["Coordinator"]["status"] == "HEALTHY", status
+        r = httpx.post(f"http://127.0.0.1:{cluster.http_port}/v1/completions", timeout=60,
+                       json={"model": tiny_nemotron.name, "prompt": "Hello", "max_tokens": 8})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+    finally:
+        serve.delete("dllm")
+
+
+# ------------------------------------------------------------------------------ item 3: replicas
+
+
+def ray_samples(cluster, name: str) -> list:
+    """Samples of one series from every node's Ray metrics endpoint (what Prometheus scrapes)."""
+    found = []
+    for port in cluster.metrics_ports:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        found += [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+    return found
+
+
+def test_ray_metrics_cover_every_replica(cluster, tiny_nemotron):
+    """Two replicas on two nodes: Ray's metrics carry both (their slots, and tokens that add up to every
+    answer's), where the ingress's /metrics shows one replica's. Requests sent together reach both."""
+    app = build_app({"model": str(tiny_nemotron), "served_model_name": MODEL, "num_replicas": 2, "max_num_seqs": 4,
+                     "max_model_len": 256})
+    serve.run(app, name="replicas", route_prefix="/replicas")
+    try:
+        body = {"model": MODEL, "prompt": "every replica", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: httpx.post(f"{base(cluster, 'replicas')}/v1/completions", json=body,
+                                                         timeout=120), range(8)))
+        assert all(r.status_code == 200 for r in answers) and len({r.json()["choices"][0]["text"] for r in answers}) == 1
+
+        def per_replica(name: str) -> dict[str, float]:
+            return {s.labels["replica"]: s.value for s in ray_samples(cluster, name)
+                    if s.labels.get("application") == "replicas" and s.labels.get("deployment") == "Coordinator"}
+
+        tokens = wait_until(lambda: sum((t := per_replica("ray_dllm_committed_tokens_total")).values()) == 8 * 64 and t,
+                            30, "every answer's tokens in Ray's metrics")
+        assert len(tokens) == 2 and all(n > 0 for n in tokens.values()), tokens
+        assert set(per_replica("ray_dllm_num_slots").values()) == {4.0} and len(per_replica("ray_dllm_num_slots")) == 2
+        served = wait_until(lambda: sum(s.value for s in ray_samples(cluster, "ray_dllm_requests_total")
+                                        if s.labels.get("application") == "replicas") == 8, 30,
+                            "the ingress's request count in Ray's metrics")
+        assert served
+        one = httpx.get(f"{base(cluster, 'replicas')}/metrics", timeout=30).text   # one replica's view
+        committed = [s.value for f in text_string_to_metric_families(one) for s in f.samples
+                     if s.name == "dllm_committed_tokens_total"]
+        assert committed and committed[0] in tokens.values()
+    finally:
+        serve.delete("replicas")
+
+
+def running_replicas(app: str) -> int:
+    return serve.status().applications[app].deployments["Coordinator"].replica_states.get("RUNNING", 0)
+
+
+@pytest.mark.reliability
+def test_load_scales_the_coordinator_to_two_replicas_and_back(cluster, tiny_nemotron):
+    """autoscaling_config: six clients sending back to back hold ~6 requests at one replica whose target is
+    2, so Serve starts a second; when they stop, it goes back to one. Every answer (the same greedy request)
+    is the same text, before, during and after, and none fails."""
+    scaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0,
+               "downscale_delay_s": 2, "metrics_interval_s": 0.5, "look_back_period_s": 2}
+    app = build_app({"model": str(tiny_nemotron), "served_model_name": MODEL, "max_num_seqs": 4, "max_model_len": 256,
+                     "autoscaling_config": scaling})
+    serve.run(app, name="scaling", route_prefix="/scaling")
+    body = {"model": MODEL, "prompt": "scale", "max_tokens": 96, "temperature": 0, "ignore_eos": True,
+            "diffusion": {"policy": "low_confidence", "max_denoising_steps": 32}}
+
+    def ask() -> httpx.Response:
+        return httpx.post(f"{base(cluster, 'scaling')}/v1/completions", json=body, timeout=120)
+
+    try:
+        assert running_replicas("scaling") == 1
+        expected = ask().json()["choices"][0]["text"]
+        answers, done = [], threading.Event()
+        scaled_at: list[int] = []
+
+        def client() -> None:
+            while not done.is_set():
+                answers.append(ask())
+                if scaled_at and len(answers) >= scaled_at[0] + 12:   # the second replica has had its share
+                    done.set()
+
+        with ThreadPoolExecutor(6) as pool:
+            for _ in range(6):
+                pool.submit(client)
+            wait_until(lambda: running_replicas("scaling") == 2, 120, "a second replica")
+            scaled_at.append(len(answers))
+            assert done.wait(120), "the clients did not finish"
+        tokens = wait_until(lambda: len(t := {s.labels["replica"]: s.value for s in ray_samples(
+            cluster, "ray_dllm_committed_tokens_total") if s.labels.get("application") == "scaling"}) == 2 and t,
+            30, "both replicas' tokens in Ray's metrics")
+        assert all(n > 0 for n in tokens.values()), tokens   # the second replica served its share
+        wait_until(lambda: running_replicas("scaling") == 1 and len(replica_groups("scaling")) == 1, 90,
+                   "the coordinator back to one replica")
+        assert [r.status_code for r in answers] == [200] * len(answers)
+        assert {r.json()["choices"][0]["text"] for r in answers} == {expected}
+        assert all(r.json()["usage"]["completion_tokens"] == 96 for r in answers)
+        assert ask().json()["choices"][0]["text"] == expected
+    finally:
+        serve.delete("scaling")
+
+
+# --------------------------------------------------------------------- item 2: `make serve` stops
+
+
+def test_make_serve_stops_on_ctrl_c_while_its_placement_is_pending(cluster, tiny_nemotron, tmp_path):
+    """scripts/serve_local.py against this cluster (RAY_ADDRESS) while every node has 1 CPU free and the
+    replica asks 2 on one node: Ctrl-C (SIGINT to its process group, as a terminal sends it) ends it within
+    the bound, with nothing of its app left. Last in the module: it shuts Serve down, as `make serve` does."""
+    blockers = hold_one_cpu_per_node()
+    log = tmp_path / "serve_local.log"
+    env = {**os.environ, "RAY_ADDRESS": cluster.address,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "serve_local.py"), f"model={tiny_nemotron}",
+                                 "drain_timeout_s=2"], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                start_new_session=True)
+    try:
+        wait_until(lambda: any(g["state"] == "PENDING" for g in replica_groups("dllm")), 90,
+                   "serve_local's replica to wait for its placement")
+        os.killpg(proc.pid, signal.SIGINT)
+        stopped = time.monotonic()
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+        assert time.monotonic() - stopped < 45
+        assert "stopping dllm-serve" in log.read_text()
+        wait_until(lambda: not replica_groups("dllm"), 30, "the replica's placement group to go")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for b in blockers:
+            ray.kill(b)
