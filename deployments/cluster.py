@@ -96,7 +96,7 @@ def unplaceable(bundles: list[dict], strategy: str, replicas: int, cluster: Clus
     need = fmt_resources(sum_resources(bundles))
     how = {"STRICT_PACK": f"all on one node ({need} on one node)",
            "STRICT_SPREAD": "each bundle on a different node"}.get(strategy, f"anywhere ({need} in all)")
-    times = f" {replicas} times (num_replicas)" if replicas > 1 else ""
+    times = f" {replicas} times (the replicas Serve starts with)" if replicas > 1 else ""
     return f"{strategy} placement of {bundles}{times}: {how}, and {cluster.describe()}"
 
 

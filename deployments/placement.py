@@ -29,10 +29,10 @@ log = logging.getLogger("dllm.placement")
 POLL_S = 1.0
 
 
-def placement_hint(device: str) -> str:
-    cpu = " or give shards a fraction of a CPU (shard_cpus=0.5: they then share cores)" if device == "cpu" else ""
-    return (f"Lower tensor_parallel_size or the replicas, let a replica span nodes (placement_strategy=PACK), add "
-            f"nodes{cpu}")
+def placement_hint(device: str, cluster: ClusterResources) -> str:
+    span = ", let a replica span nodes (placement_strategy=PACK)" if len(cluster.nodes) > 1 else ""
+    cpu = ", or give shards a fraction of a CPU (shard_cpus=0.5: they then share cores)" if device == "cpu" else ""
+    return f"Lower tensor_parallel_size or the replicas{span}, add nodes{cpu}"
 
 
 def never_placed(args: AppArgs, device: str, bundles: list[dict], cluster: ClusterResources) -> str | None:
@@ -41,7 +41,7 @@ def never_placed(args: AppArgs, device: str, bundles: list[dict], cluster: Clust
     if problem is None:
         return None
     return (f"tensor_parallel_size={args.tensor_parallel_size} on device={device} cannot be placed: {problem}. "
-            f"{placement_hint(device)}.")
+            f"{placement_hint(device, cluster)}.")
 
 
 def missing(bundles: list[dict], strategy: str, free: list[dict]) -> str:

@@ -149,7 +149,7 @@ def test_a_placement_no_node_can_hold_fails_the_deploy(cluster, tiny_nemotron):
         build_app({"model": str(tiny_nemotron), "tensor_parallel_size": 2})
     build_app({"model": str(tiny_nemotron), "tensor_parallel_size": 2, "shard_cpus": 0.5})
     with pytest.raises(ValueError, match=r"STRICT_PACK placement of \[\{'CPU': 1\}, \{'CPU': 1.0\}\] 4 times "
-                                         r"\(num_replicas\)"):
+                                         r"\(the replicas Serve starts with\)"):
         build_app({"model": str(tiny_nemotron), "num_replicas": 4})
 
 
