@@ -27,7 +27,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deployments.app import build_app
 from model.sampling.params import DecodeParams
-from tests.serve_harness import assert_openai_error, free_port, wait_until
+from tests.serve_harness import (assert_openai_error, assert_stream_ended_with_error, free_port, slow_stream_body,
+                                 sse_payloads, wait_until)
 from workers.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -263,6 +264,73 @@ def test_serve_deploy_of_serve_config_yaml(cluster, tiny_nemotron, tmp_path):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
     finally:
         serve.delete("dllm")
+
+
+@pytest.mark.reliability
+def test_a_lost_node_ends_in_errors_within_bounds_then_recovers(cluster, tiny_nemotron):
+    """A node holding a replica's shard dies while a request streams. Every other node has 1 CPU free, so
+    the shard's 1.5-CPU bundle can be placed nowhere else: the stream ends with an error event, the
+    rebuild gives up after placement_timeout_s (state down), Serve replaces the replica, whose new group
+    waits and fails by the same bound; /health says which at every step within its own bound, and once
+    the CPUs are free again a replica runs and answers as before."""
+    blockers = hold_one_cpu_per_node()
+    app = build_app({"model": str(tiny_nemotron), "served_model_name": MODEL, "placement_strategy": "PACK",
+                     "shard_cpus": 1.5, "placement_timeout_s": 15, "drain_timeout_s": 1, "max_model_len": 2048})
+    serve._run(app, name="lost", route_prefix="/lost", _blocking=False)
+    spare = None
+    try:
+        # the spare node joins once the ingress runs elsewhere, so that only the replica's group lands on it
+        wait_until(lambda: serve.status().applications["lost"].deployments["OpenAIIngress"].status == "HEALTHY",
+                   60, "the ingress to run")
+        spare = cluster.add_node(num_cpus=NODE_CPUS)
+        wait_until(lambda: serve.status().applications["lost"].status == "RUNNING", 60, "the replica to run")
+        (group,) = replica_groups("lost")
+        assert group["bundles_to_node_id"][1] == spare.node_id != group["bundles_to_node_id"][0]
+        body = {"model": MODEL, "prompt": "lost", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+        before = httpx.post(f"{base(cluster, 'lost')}/v1/completions", json=body, timeout=60).json()
+        first_block = threading.Event()
+
+        def stream() -> tuple[list[str], float]:
+            with httpx.stream("POST", f"{base(cluster, 'lost')}/v1/completions", timeout=120,
+                              json=slow_stream_body(MODEL, 1600)) as r:
+                lines = []
+                for line in r.iter_lines():
+                    lines.append(line)
+                    first_block.set()
+            return sse_payloads(lines), time.monotonic()
+
+        with ThreadPoolExecutor(1) as pool:
+            streamed = pool.submit(stream)
+            assert first_block.wait(60)
+            cluster.remove_node(spare)
+            lost_at = time.monotonic()
+            payloads, ended = streamed.result(timeout=90)
+        assert_stream_ended_with_error(payloads)
+        assert ended - lost_at < 30
+        seen: list[str] = []   # /health's reasons in turn: rebuilding, down, then a new replica's placement
+        for _ in range(90):
+            start = time.monotonic()
+            h = httpx.get(f"{base(cluster, 'lost')}/health", timeout=10)
+            assert time.monotonic() - start < 5 and h.status_code == 503, h.text
+            reason = h.json()["error"]["message"].split(":")[0]
+            seen += [reason] if not seen or seen[-1] != reason else []
+            if reason in ("pending placement", "placement failed"):
+                break
+            time.sleep(1)
+        print("/health after the loss:", seen)
+        assert seen[0] == "rebuilding the model shards after a failure" and \
+            seen[-1] in ("pending placement", "placement failed"), seen
+        for b in blockers:
+            ray.kill(b)
+        blockers = []
+        wait_until(lambda: httpx.get(f"{base(cluster, 'lost')}/health", timeout=10).status_code == 200, 120,
+                   "a replica to run again")
+        after = httpx.post(f"{base(cluster, 'lost')}/v1/completions", json=body, timeout=60).json()
+        assert after["choices"][0]["text"] == before["choices"][0]["text"]
+    finally:
+        serve.delete("lost")
+        for b in blockers:
+            ray.kill(b)
 
 
 # ------------------------------------------------------------------------------ item 3: replicas
