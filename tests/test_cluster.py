@@ -1,10 +1,12 @@
 """The app on a simulated multi-node Ray cluster (ray.cluster_utils.Cluster: a head and two worker nodes on
-this machine, 2 CPUs each, no GPU; one test adds a node that declares 2 GPUs): the device and the
-placement come from the cluster, not the node that builds the app; a placement the cluster can never
-hold fails the deploy, one it cannot hold now fails the replica's start after placement_timeout_s while
-/health says what is missing; a PACK replica spans nodes and answers like TP=1; the real `serve deploy`
-CLI deploys serve_config.yaml; Ray's metrics cover every replica; `make serve` stops on Ctrl-C while its
-placement is pending. One cluster for the module: starting one takes about 10 s."""
+this machine, 2 CPUs each, no GPU; a test may add a node for its own use, one that declares 2 GPUs or a
+spare it then removes): the device and the placement come from the cluster, not the node that builds the
+app; a placement the cluster can never hold fails the deploy, one it cannot hold now fails the replica's
+start after placement_timeout_s while /health says what is missing; a PACK replica spans nodes and
+answers like TP=1; the real `serve deploy` CLI deploys serve_config.yaml; Ray's metrics cover every
+replica; load scales the replicas and back (reliability); a lost node ends in errors within bounds
+(reliability); `make serve` stops on Ctrl-C while its placement is pending. One cluster for the module:
+starting one takes about 10 s."""
 import os
 import signal
 import subprocess
