@@ -358,7 +358,8 @@ def test_ray_metrics_cover_every_replica(cluster, tiny_nemotron):
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda _: httpx.post(f"{base(cluster, 'replicas')}/v1/completions", json=body,
                                                          timeout=120), range(8)))
-        assert all(r.status_code == 200 for r in answers) and len({r.json()["choices"][0]["text"] for r in answers}) == 1
+        assert all(r.status_code == 200 for r in answers)
+        assert len({r.json()["choices"][0]["text"] for r in answers}) == 1
 
         def per_replica(name: str) -> dict[str, float]:
             return {s.labels["replica"]: s.value for s in ray_samples(cluster, name)

@@ -1,7 +1,7 @@
 """`make serve` (scripts/serve_local.py with its own Ray on this machine) stops on Ctrl-C, sent as a
 terminal sends it (SIGINT to the process group), while Ray starts and (a reliability run: 20 s) while it
-serves: it exits 0 within a bound and leaves no process of its group (Ray's own processes included) behind. (While its placement
-is pending: tests/test_cluster.py, which can make a cluster where it pends.)"""
+serves: it exits 0 within a bound and leaves no process of its group (Ray's own processes included)
+behind. (While its placement is pending: tests/test_cluster.py, which can make a cluster where it pends.)"""
 import os
 import signal
 import subprocess
