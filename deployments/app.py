@@ -20,21 +20,25 @@ import time
 from pathlib import Path
 from typing import AsyncIterator
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, PlainTextResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayError
+from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 # Counted through the module (`prom.REQUESTS`), never a name imported from it: deployments/errors.py says why.
 from deployments import metrics as prom
-from deployments.args import AppArgs
+from deployments.args import BATCH_INVARIANT_NEEDS_CUDA, AppArgs
+from deployments.cluster import ClusterResources, resolve_device
 from deployments.drafts import draft_event, draft_payload
 from deployments.errors import ERROR_STATUS, APIError, add_handlers, error_body, validation_error_param
 from deployments.gate import REQUEST_ID_PARAMETER, GateSettings, RequestGate
 from deployments.output import Delta, OutputAssembler, chat_logprobs, completion_logprobs
+from deployments.placement import PlacementWatch, never_placed
 from deployments.prompts import PromptTokenizer
 from deployments.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                   ChatCompletionStreamResponse, ChatDelta, ChatResponseMessage, ChatStreamChoice,
@@ -42,7 +46,7 @@ from deployments.protocol import (ChatChoice, ChatCompletionRequest, ChatComplet
                                   CompletionStreamResponse, ModelCard, ModelList, Usage)
 from model.checkpoint import Checkpoint, RunnerArgs
 from model.sampling.params import DecodeParams, ParamError
-from workers.serve_coordinator import CoordinatorDeployment, placement_bundles
+from workers.serve_coordinator import REPLICA_BUNDLE, CoordinatorDeployment, placement_bundles, shard_bundle
 
 app = FastAPI(title="dllm-serve", docs_url=None, redoc_url=None)
 STATIC = Path(__file__).parent / "static"
@@ -97,13 +101,13 @@ def _sse(payload) -> str:
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, coordinator: DeploymentHandle, args: dict, checkpoint: Checkpoint):
+    async def __init__(self, coordinator: DeploymentHandle, args: dict, checkpoint: Checkpoint):
         from transformers import AutoTokenizer
 
         self.args = AppArgs(**args)
         self.gate = GateSettings(self.args.api_key, self.args.max_body_bytes, self.args.request_timeout_s)
         self.model_dir = checkpoint.path
-        self.model_name = self.args.model_name()
+        self.model_name = prom.REQUESTS.model = self.args.model_name()
         self.created = int(time.time())
         self.coordinator = coordinator
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -121,6 +125,9 @@ class OpenAIIngress:
                 if self.defaults[end] is None:
                     self.defaults[end] = getattr(checkpoint.renoise, end)
         self.model_ready = False   # once the coordinator said so: requests then go straight to it
+        # the coordinator replicas' placement groups, for /health's reason and the placement timeout
+        self.placement = PlacementWatch(serve.get_replica_context().app_name, self.args)
+        self._watch = asyncio.get_running_loop().create_task(self.placement.run())
 
     # ---- endpoints ------------------------------------------------------------------------------
     @app.get("/health")
@@ -148,7 +155,7 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        stats = await self._bounded(self.coordinator.stats.remote(), STATS_S, WARMING_UP)
+        stats = await self._bounded(self.coordinator.stats.remote(), STATS_S)
         return PlainTextResponse(prom.prometheus_text(stats, self.model_name, prom.REQUESTS),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -170,23 +177,31 @@ class OpenAIIngress:
         return await self._generate("chat", body, request, prompt, "messages", length)
 
     # ---- readiness --------------------------------------------------------------------------------
-    async def _bounded(self, response, timeout_s: float, reason: str):
+    async def _bounded(self, response, timeout_s: float, reason: str | None = None):
         """A coordinator call's result; 503 with `reason` if no replica answers within timeout_s (while a
-        replica warms up, Serve holds calls until it is running), or with Ray's reason if it failed."""
+        replica warms up or waits for its placement group, Serve holds calls until one runs; reason None:
+        say which of the two), or with Ray's reason if it failed."""
         async def result():
             return await response
         try:
             return await asyncio.wait_for(result(), timeout_s)
         except asyncio.TimeoutError:
             response.cancel()
+            reason = reason or self.placement.reason() or WARMING_UP
             raise APIError(503, reason, "service_unavailable", headers={"Retry-After": "5"}) from None
+        except DeploymentUnavailableError as err:   # it failed to deploy: say why, if placement is why
+            raise self._failed_to_deploy(err) from None
         except RayError as err:
             raise APIError(503, f"unhealthy: {_last_line(err)}", "service_unavailable",
                            headers={"Retry-After": "1"}) from None
 
+    def _failed_to_deploy(self, err: DeploymentUnavailableError) -> APIError:
+        reason = self.placement.reason()
+        return APIError(503, err.message + (f" {reason}" if reason else ""), "service_unavailable")
+
     async def _ready_stats(self) -> dict:
         """The coordinator's stats if it is ready; 503 with what it is doing otherwise."""
-        stats = await self._bounded(self.coordinator.stats.remote(), STATS_S, WARMING_UP)
+        stats = await self._bounded(self.coordinator.stats.remote(), STATS_S)
         if stats["state"] != "ready":
             raise APIError(503, STATE_REASON.get(stats["state"], stats["state"]), "service_unavailable",
                            headers={"Retry-After": "5"})
@@ -261,6 +276,8 @@ class OpenAIIngress:
             item = await stream.__anext__()
         except StopAsyncIteration:
             return None
+        except DeploymentUnavailableError as err:
+            raise self._failed_to_deploy(err) from None
         except (RayError, RuntimeError) as err:  # the coordinator replica itself died or was replaced
             raise APIError(503, f"the model replica failed: {type(err).__name__}", "service_unavailable",
                            headers={"Retry-After": "1"}) from None
@@ -365,20 +382,38 @@ class OpenAIIngress:
 
 def build_app(args: dict):
     """The application for `serve run deployments.app:build_app key=value ...`: the checkpoint read once
-    here, and handed to the ingress and, with the runner's arguments, to every replica and shard."""
+    here, and handed to the ingress and, with the runner's arguments, to every replica and shard.
+
+    The device and the placement come from the cluster this process is connected to (`serve deploy` and
+    `serve run serve_config.yaml` build on the cluster, scripts/serve_local.py after `ray.init`); not
+    connected (`serve run module:build_app ...` builds first), `device: auto` reads this machine's GPUs
+    and the placement is checked by the ingress once deployed (deployments/placement.py)."""
     a = AppArgs(**args)
     model_dir = a.model_dir()
-    use_gpu = a.use_gpu()
+    cluster = ClusterResources.read() if ray.is_initialized() else ClusterResources.this_machine()
+    device = resolve_device(a.device, cluster)
+    if a.batch_invariant and device != "cuda":
+        raise ValueError(f"{BATCH_INVARIANT_NEEDS_CUDA}; {cluster.describe()}")
+    use_gpu = device == "cuda"
+    bundles = placement_bundles(a.tensor_parallel_size, use_gpu, a.shard_cpus)
+    if ray.is_initialized():   # the cluster can ever hold the replicas Serve starts with, or the deploy fails now
+        problem = never_placed(a, device, bundles, cluster)
+        if problem is not None:
+            raise ValueError(problem)
     checkpoint = Checkpoint.read(model_dir)
     checkpoint.config.check_tensor_parallel(a.tensor_parallel_size)  # fail at deploy, not at request
     runner_args = RunnerArgs(checkpoint=checkpoint, num_slots=a.max_num_seqs, max_model_len=a.max_model_len,
-                             dtype=a.torch_dtype(), device="cuda" if use_gpu else "cpu", load_format=a.load_format,
+                             dtype=a.torch_dtype(device), device=device, load_format=a.load_format,
                              max_steps_per_command=a.max_steps_per_command, batch_invariant=a.batch_invariant)
     engine_args = dict(num_slots=a.max_num_seqs, max_model_len=a.max_model_len, max_queue=a.max_queue,
                        max_steps_per_command=a.max_steps_per_command, request_timeout_s=a.request_timeout_s,
                        overlap_commands=a.overlap_commands)
+    scaling = {"num_replicas": a.num_replicas or 1} if a.autoscaling_config is None else \
+        {"autoscaling_config": a.autoscaling_config}
     coordinator = CoordinatorDeployment.options(
-        num_replicas=a.num_replicas, placement_group_bundles=placement_bundles(a.tensor_parallel_size, use_gpu),
-        placement_group_strategy=a.placement_strategy, ray_actor_options={"num_cpus": 1},
-    ).bind(runner_args, a.tensor_parallel_size, use_gpu, engine_args, a.command_timeout_s)
-    return OpenAIIngress.bind(coordinator, {**a.model_dump(), "model": model_dir}, checkpoint)
+        **scaling, placement_group_bundles=bundles, placement_group_strategy=a.placement_strategy,
+        ray_actor_options={"num_cpus": REPLICA_BUNDLE["CPU"]},
+        graceful_shutdown_timeout_s=a.drain_timeout_s,
+    ).bind(runner_args, a.tensor_parallel_size, shard_bundle(use_gpu, a.shard_cpus), engine_args, a.command_timeout_s,
+           a.placement_timeout_s, a.model_name())
+    return OpenAIIngress.bind(coordinator, {**a.model_dump(), "model": model_dir, "device": device}, checkpoint)

@@ -6,10 +6,11 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from model.sampling.params import Mode, RevealPolicy
 
+BATCH_INVARIANT_NEEDS_CUDA = "batch_invariant=true needs device=cuda (its fixed-order kernels are triton's)"
 DEFAULT_MODEL_CACHE = Path(os.environ.get("DLLM_CACHE", Path.home() / ".cache" / "dllm-serve"))
 
 
@@ -34,13 +35,28 @@ class AppArgs(BaseModel):
                                    "command later)")
     batch_invariant: bool = Field(False, description="a request's tokens and logprobs the same bits alone or in any "
                                   "batch (CUDA; fixed-order kernels, slower: see the README's speed table)")
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: int | None = Field(None, ge=1, description="model instances (default 1); not with "
+                                     "autoscaling_config")
+    # Serve's autoscaling of the coordinator deployment (ray.serve.config.AutoscalingConfig's fields:
+    # min_replicas, max_replicas, target_ongoing_requests, upscale_delay_s, downscale_delay_s, ...)
+    autoscaling_config: dict | None = None
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    # A replica's placement group still pending after this fails the replica (Serve then retries it); the
+    # wait includes an autoscaler adding nodes for it, so a cluster that starts GPU nodes on demand needs
+    # minutes. A group the cluster can never hold fails at once.
+    placement_timeout_s: float = Field(300.0, gt=0)
+    # CPUs each shard's bundle asks for on device=cpu: below 1, TP > 1 fits a machine with fewer cores
+    # than tensor_parallel_size + 1 (the shards then share cores; each runs DLLM_SHARD_THREADS threads).
+    shard_cpus: float = Field(1.0, gt=0)
     api_key: str | None = None
     # A body is held whole in memory to be parsed; a 128K-token prompt is ~1 MB of JSON.
     max_body_bytes: int = Field(8 * 2**20, ge=1, description="the largest request body taken (a 413 beyond), "
                                 "checked before the body is read whole")
     request_timeout_s: float = Field(600.0, gt=0)
+    # A replica being stopped (a downscale, a redeploy, a shutdown) takes no new requests and finishes
+    # those it has for up to this long (Serve's graceful_shutdown_timeout_s), then is killed. Stopping a
+    # replica that is still pending or warming up waits this long too.
+    drain_timeout_s: float = Field(20.0, ge=0)
     command_timeout_s: float = Field(120.0, gt=0)
     # server-wide decoding defaults, overridable per request (`diffusion` object)
     mode: Mode = "diffusion"
@@ -61,8 +77,27 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _invariance_needs_cuda(self) -> "AppArgs":
-        if self.batch_invariant and not self.use_gpu():
-            raise ValueError("batch_invariant=true needs device=cuda (its fixed-order kernels are triton's)")
+        # device=auto is resolved from the cluster when the app is built (deployments/app.py build_app)
+        if self.batch_invariant and self.device == "cpu":
+            raise ValueError(BATCH_INVARIANT_NEEDS_CUDA)
+        return self
+
+    @model_validator(mode="after")
+    def _replicas_or_autoscaling(self) -> "AppArgs":
+        if self.autoscaling_config is None:
+            return self
+        if self.num_replicas is not None:
+            raise ValueError("give num_replicas or autoscaling_config, not both (Serve scales a deployment "
+                             "either way, not both)")
+        from ray.serve.config import AutoscalingConfig
+
+        try:
+            config = AutoscalingConfig(**self.autoscaling_config)
+        except ValidationError as err:
+            raise ValueError(f"autoscaling_config: {err}") from None
+        if config.min_replicas < 1:
+            raise ValueError("autoscaling_config.min_replicas must be at least 1: while no replica is ready "
+                             "the ingress answers 503 at once, so no request would wake one")
         return self
 
     @model_validator(mode="after")
@@ -78,17 +113,17 @@ class AppArgs(BaseModel):
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model_dir()).name
 
-    def use_gpu(self) -> bool:
-        if self.device == "auto":
-            import torch
+    def initial_replicas(self) -> int:
+        """The replicas Serve starts with."""
+        if self.autoscaling_config is None:
+            return self.num_replicas or 1
+        return self.autoscaling_config.get("initial_replicas") or self.autoscaling_config.get("min_replicas", 1)
 
-            return torch.cuda.is_available()
-        return self.device == "cuda"
-
-    def torch_dtype(self) -> str | None:
+    def torch_dtype(self, device: str) -> str | None:
+        """The shards' dtype on `device` (resolved from the cluster, not the build node)."""
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if self.use_gpu() else None  # None: the checkpoint's own
+        return "bfloat16" if device == "cuda" else None  # None: the checkpoint's own
 
     def decode_defaults(self) -> dict:
         return {"mode": self.mode, "policy": self.policy, "threshold": self.threshold,

@@ -3,9 +3,11 @@
     python scripts/serve_local.py [model=DIR] [tp=N] [port=P] [FIELD=VALUE ...]
 
 FIELD is any argument of deployments/args.py:AppArgs (`tp` is short for tensor_parallel_size). The
-environment variables MODEL, TP and PORT give the same settings; arguments win. Loads the weights
-before printing the ready message and curl examples, then serves until Ctrl-C (or SIGTERM), when it
-shuts Serve and Ray down.
+environment variables MODEL, TP and PORT give the same settings; arguments win. Starts Ray, builds the
+app from what Ray has (the device, and whether it can hold the placement: an error if it never can),
+loads the weights before printing the ready message and curl examples, then serves until Ctrl-C (or
+SIGTERM), when it shuts Serve and Ray down: in whatever state it is (starting, placement pending,
+serving).
 """
 from __future__ import annotations
 
@@ -49,6 +51,13 @@ def _terminate(signum, frame):
     raise KeyboardInterrupt
 
 
+def _stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM both mean a clean shutdown, even where SIGINT was inherited as ignored (a
+    background job of a non-interactive shell)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _terminate)
+
+
 def main(argv: list[str]) -> None:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
@@ -63,19 +72,20 @@ def main(argv: list[str]) -> None:
     from workers.coordinator import describe_warm_up
 
     started = time.monotonic()
-
-    app = build_app(args)  # validates the arguments (a pydantic error names a bad one) before Ray starts
-    resolved = AppArgs(**args)
-    ray.init()
-    # After ray.init, which installs its own handlers: Ctrl-C and SIGTERM both mean a clean shutdown,
-    # even where SIGINT was inherited as ignored (a background job of a non-interactive shell).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _terminate)
+    resolved = AppArgs(**args)  # a pydantic error names a bad argument before Ray starts
+    _stop_on_signals()
     try:
+        # Every state ends the same way on Ctrl-C: Ray starting, the app deploying (weights loading,
+        # placement pending), serving.
+        print("starting Ray ...", flush=True)
+        ray.init()   # a local Ray on this machine (or, with RAY_ADDRESS, the cluster there)
+        _stop_on_signals()   # again: ray.init installs its own SIGTERM handler
+        app = build_app(args)  # the device and the placement from the cluster Ray now has
+        print("deploying ...", flush=True)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(app, name=APP, route_prefix="/")
         # serve.run returns once every replica runs: the shards have loaded and warmed up (captures, compiles)
-        stats = serve.get_deployment_handle("Coordinator", app_name=APP).stats.remote().result()
+        stats = serve.get_deployment_handle("Coordinator", app_name=APP).stats.remote().result(timeout_s=60)
         base = f"http://127.0.0.1:{port}"
         warm = f"\nwarm-up: {describe_warm_up(stats['warm_up'])}" if stats["warm_up"].get("graphs") else ""
         print(f"\ndllm-serve is ready on {base} after {time.monotonic() - started:.1f} s: model "
@@ -87,13 +97,17 @@ def main(argv: list[str]) -> None:
             time.sleep(3600)
     except KeyboardInterrupt:
         print("\nstopping dllm-serve ...", flush=True)
+    except (ValueError, RuntimeError) as err:  # a deploy error: the cluster cannot hold it, a failed start
+        print(f"\ndllm-serve could not start: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         try:
-            serve.shutdown()  # bounded by Serve (30 s)
+            if ray.is_initialized():
+                serve.shutdown()  # bounded by Serve (30 s)
         except KeyboardInterrupt:  # a second Ctrl-C skips the graceful part
             pass
-        ray.shutdown()  # stops the local Ray this script started
+        ray.shutdown()  # stops the local Ray this script started (with RAY_ADDRESS: disconnects)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,17 @@ def test_serve_config_builds_the_application_without_ray(serve_config, tmp_path)
     assert not ray.is_initialized()
 
 
+def test_autoscaling_config_reaches_the_coordinator_deployment(tiny_nemotron):
+    scaling = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8, "upscale_delay_s": 5}
+    built = serve_build_app(build_app({"model": str(tiny_nemotron), "autoscaling_config": scaling,
+                                       "shard_cpus": 0.5, "drain_timeout_s": 7}), name="scaled")
+    coordinator = deployment_to_schema(next(d for d in built.deployments if d.name == "Coordinator"))
+    assert coordinator.autoscaling_config.max_replicas == 4 and not isinstance(coordinator.num_replicas, int)
+    assert coordinator.autoscaling_config.target_ongoing_requests == 8
+    assert coordinator.placement_group_bundles == [{"CPU": 1}, {"CPU": 0.5}]
+    assert coordinator.graceful_shutdown_timeout_s == 7
+
+
 def test_command_line_strings_are_coerced(tmp_path):
     """`serve run deployments.app:build_app model=DIR tensor_parallel_size=2` passes every value as a string."""
     from model.tiny import write_nemotron_ld

@@ -1,5 +1,7 @@
 """The Coordinator as a Ray Serve deployment: one replica = one model instance = one placement group
-`[{"CPU": 1}] + [{"GPU": 1}] * tp` (bundle 0 holds this replica, bundles 1..tp its shards).
+`[{"CPU": 1}] + [shard bundle] * tp` (bundle 0 holds this replica, bundles 1..tp its shards; a shard's
+bundle is `{"GPU": 1}`, or on CPUs `{"CPU": shard_cpus}`). Serve creates the group before the replica
+starts; the ingress watches it while it is pending (deployments/placement.py).
 
 Its constructor starts the shards: they load their weights, capture their CUDA graphs and compile their
 updates (model/runner.py Runner.warm_up) before Serve counts the replica as running, so nothing is
@@ -11,6 +13,7 @@ exceptions re-wrapped by Ray: {"output": RequestOutput} or {"error": kind, "mess
 """
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator
 
 from ray import serve
@@ -18,26 +21,37 @@ from ray import serve
 from model.checkpoint import RunnerArgs
 from model.sampling.params import DecodeParams
 from workers.coordinator import Coordinator, RequestError
+from workers.ray_metrics import RayMetricsExport
 
 
-def placement_bundles(tp: int, use_gpu: bool) -> list[dict]:
-    return [{"CPU": 1}] + [{"GPU": 1} if use_gpu else {"CPU": 1}] * tp
+REPLICA_BUNDLE = {"CPU": 1}
+
+
+def shard_bundle(use_gpu: bool, shard_cpus: float = 1.0) -> dict:
+    """What one shard asks of its bundle (and of Ray, as its actor's resources)."""
+    return {"GPU": 1} if use_gpu else {"CPU": shard_cpus}
+
+
+def placement_bundles(tp: int, use_gpu: bool, shard_cpus: float = 1.0) -> list[dict]:
+    return [dict(REPLICA_BUNDLE)] + [shard_bundle(use_gpu, shard_cpus)] * tp
 
 
 @serve.deployment(name="Coordinator", max_ongoing_requests=10_000, health_check_period_s=10,
                   health_check_timeout_s=60, graceful_shutdown_timeout_s=5)
 class CoordinatorDeployment:
-    async def __init__(self, runner_args: RunnerArgs, tp: int, use_gpu: bool, engine_args: dict,
-                       command_timeout_s: float = 120.0):
+    async def __init__(self, runner_args: RunnerArgs, tp: int, shard: dict, engine_args: dict,
+                       command_timeout_s: float = 120.0, placement_timeout_s: float = 300.0, model_name: str = ""):
         # Here, not at the top: the shards' code (torch, the runner) loads in the replica that starts
         # shards, not in every process that imports this module (the ingress, to bind the application).
         from workers.ray_shards import RayShards
 
         ctx = serve.get_replica_context()
-        shards = RayShards(tp, runner_args, use_gpu=use_gpu, name=f"shard-{ctx.app_name}-{ctx.replica_id.unique_id}",
-                           command_timeout_s=command_timeout_s)
+        shards = RayShards(tp, runner_args, shard=shard, name=f"shard-{ctx.app_name}-{ctx.replica_id.unique_id}",
+                           command_timeout_s=command_timeout_s, placement_timeout_s=placement_timeout_s)
         self.coordinator = Coordinator(runner_args.checkpoint, shards, **engine_args)
         await self.coordinator.start()
+        # this replica's series through Ray's metrics (every replica's, summed by the operator's Prometheus)
+        self._export = asyncio.get_running_loop().create_task(RayMetricsExport(self.coordinator, model_name).run())
 
     async def generate(self, prompt: list[int], params: DecodeParams, request_id: str | None = None
                        ) -> AsyncIterator[dict]:
