@@ -402,6 +402,7 @@ def build_app(args: dict):
             raise ValueError(problem)
     checkpoint = Checkpoint.read(model_dir)
     checkpoint.config.check_tensor_parallel(a.tensor_parallel_size)  # fail at deploy, not at request
+    checkpoint.check_quantization(a.quantization)
     runner_args = RunnerArgs(checkpoint=checkpoint, num_slots=a.max_num_seqs, max_model_len=a.max_model_len,
                              dtype=a.torch_dtype(device), device=device, load_format=a.load_format,
                              max_steps_per_command=a.max_steps_per_command, batch_invariant=a.batch_invariant)

@@ -21,6 +21,9 @@ class AppArgs(BaseModel):
     served_model_name: str | None = None
     tensor_parallel_size: int = Field(1, ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["compressed-tensors"] | None = Field(
+        None, description="vLLM's --quantization: the method the checkpoint must be quantized with (a deploy "
+        "error otherwise); None: its config.json decides")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     load_format: Literal["safetensors", "dummy"] = "safetensors"
     max_num_seqs: int = Field(8, ge=1, description="slots per replica")

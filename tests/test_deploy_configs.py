@@ -119,6 +119,20 @@ def test_the_default_denoising_steps_stay_within_the_limit():
     assert AppArgs(max_denoising_steps=2000, denoising_steps_limit=4096).max_denoising_steps == 2000
 
 
+def test_quantization_argument_is_checked_against_the_checkpoint_at_deploy(tiny_nemotron, tmp_path):
+    """vLLM's --quantization: unset or the checkpoint's own method builds; asking an unquantized checkpoint
+    for compressed-tensors fails the deploy naming the argument."""
+    from model.tiny import write_nemotron_ld
+
+    fp8 = write_nemotron_ld(tmp_path / "fp8", quantize="fp8-dynamic")
+    assert build_app({"model": str(fp8), "quantization": "compressed-tensors", "device": "cpu"}) is not None
+    assert build_app({"model": str(tiny_nemotron), "device": "cpu"}) is not None
+    with pytest.raises(ValueError, match=r"quantization='compressed-tensors'.*not quantized"):
+        build_app({"model": str(tiny_nemotron), "quantization": "compressed-tensors", "device": "cpu"})
+    with pytest.raises(pydantic.ValidationError, match="quantization"):
+        AppArgs(quantization="awq")
+
+
 def test_unknown_app_argument_is_a_pydantic_error_naming_it(tmp_path):
     with pytest.raises(pydantic.ValidationError) as info:
         build_app({"model": str(tmp_path), "tensor_paralel_size": 2})
