@@ -34,3 +34,12 @@ def tiny_fp8_gemma(tmp_path_factory):
     from model.tiny import write_diffusion_gemma
 
     return write_diffusion_gemma(tmp_path_factory.mktemp("tiny-fp8-gemma"), seed=0, shards=2, quantize="fp8-dynamic")
+
+
+@pytest.fixture(scope="session")
+def fp8_checkpoints(tiny_fp8_nemotron, tiny_fp8_gemma, tmp_path_factory):
+    """family -> (the tiny FP8 checkpoint, its twin as compressed-tensors decompresses it)."""
+    from tests.fp8_reference import twin_checkpoint
+
+    return {family: (d, twin_checkpoint(d, tmp_path_factory.mktemp(f"{family}-twin") / "twin"))
+            for family, d in (("nemotron", tiny_fp8_nemotron), ("gemma", tiny_fp8_gemma))}

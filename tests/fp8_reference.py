@@ -32,6 +32,7 @@ from model.loader import checkpoint_files
 from model.moe import GemmaExperts, grouped_linear
 from model.parallel.linear import LinearBase, RowParallelLinear
 from model.tiny import save_safetensors
+from tests.test_diffusion_gemma_tp import forward as gemma_forward   # the same forward, full-vocabulary logits
 
 FP8_DYNAMIC: QuantizationScheme = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"])
 
@@ -159,20 +160,6 @@ def ct_activation_rounding(twin, modules: set[str], tp: int = 1):
 
 # --------------------------------------------------------------------------------------------------
 # A prefill / denoise / commit schedule of either family, full-vocabulary logits per forward
-
-def gemma_forward(model, kv, rows, soft=None) -> torch.Tensor:
-    from model.attention import StepContext, step_context
-    from model.sampling.stats import unscaled
-
-    width = max(len(r[3]) for r in rows)
-    ids = torch.stack([torch.nn.functional.pad(torch.as_tensor(t), (0, width - len(t))) for *_, t in rows])
-    starts = [r[1] for r in rows]
-    ctx = StepContext.build(kv, [r[0] for r in rows], starts, [len(r[3]) for r in rows], [r[2] for r in rows],
-                            width, "cpu", window=model.sliding_window)
-    with step_context(ctx), torch.no_grad():
-        h = model(ids, torch.tensor(starts)[:, None] + torch.arange(width), soft)
-        return unscaled(model.head_logits(h), model.logit_softcap)
-
 
 def gemma_schedule(model, tp) -> list[torch.Tensor]:
     """Prefill two slots; both denoise a self-conditioned canvas; slot 0 commits while slot 1 denoises;

@@ -19,17 +19,14 @@ from model.loader import checkpoint_files, load_model
 from model.parallel.group import TPGroup
 from model.parallel.linear import RowParallelLinear
 from model.tiny import fp8_dynamic_config, save_safetensors
-from tests.fp8_reference import FP8_DYNAMIC, dequantized_parameters, read_tensors, schedule, twin_checkpoint
+from tests.fp8_reference import FP8_DYNAMIC, dequantized_parameters, read_tensors, schedule
 from tests.test_reductions import fake_rank
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tiny_fp8_nemotron, tiny_fp8_gemma, tmp_path_factory):
+def checkpoints(fp8_checkpoints):
     """family -> (FP8 checkpoint, its twin decompressed by compressed-tensors)."""
-    out = {}
-    for family, d in (("nemotron", tiny_fp8_nemotron), ("gemma", tiny_fp8_gemma)):
-        out[family] = d, twin_checkpoint(d, tmp_path_factory.mktemp(f"{family}-twin") / "twin")
-    return out
+    return fp8_checkpoints
 
 
 def header(model_dir: Path) -> dict[str, tuple[str, list[int]]]:

@@ -26,18 +26,16 @@ from model.moe import GemmaRouter
 from model.parallel.group import TPGroup
 from model.sampling.params import DecodeParams
 from tests import served
-from tests.fp8_reference import ct_activation_rounding, fp8_modules, schedule, twin_checkpoint
+from tests.fp8_reference import ct_activation_rounding, fp8_modules, schedule
 from workers.engine import Engine
 
 TP1 = TPGroup()
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tiny_fp8_nemotron, tiny_fp8_gemma, tmp_path_factory):
-    out = {}
-    for family, d in (("nemotron", tiny_fp8_nemotron), ("gemma", tiny_fp8_gemma)):
-        out[family] = d, twin_checkpoint(d, tmp_path_factory.mktemp(f"{family}-twin") / "twin")
-    return out
+def checkpoints(fp8_checkpoints):
+    """family -> (FP8 checkpoint, its twin decompressed by compressed-tensors)."""
+    return fp8_checkpoints
 
 
 @contextlib.contextmanager
