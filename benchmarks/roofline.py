@@ -16,13 +16,16 @@ from ONE run on one GPU, dummy weights in bf16.
       its P1: the median of 5 requests over the default's median)
 plus torch.profiler's top kernels of a step of each family (DiffusionGemma's with and without
 self-conditioning, and the kernels whose time differs between the two: what SC's extra time is).
+  FP8 both families' FP8-dynamic shapes: P1 over the FP8 weight-read floor, FP8 / BF16 step times (the
+      BF16 runner measured again beside it), the FP8 DiffusionGemma step's profile; and in T, the seed
+      workload served on the FP8 DiffusionGemma at concurrency 1 and 4 (target >= 1,600 tok/s at 1)
   T   speed under real traffic, per family, from benchmarks/traffic.py (a served full-size shape as a
       subprocess, from its cold start): mixed / homogeneous committed tok/s at concurrency 8, p99 /
       median request latency under the mix, graphs captured after ready, GPU memory after the mixed
       phase minus after warm-up, the seed workload's tok/s at concurrency 1, 2, 4, 8 (about 4-5
       minutes per family; its JSON and server log beside --out)
 
-    python3 -m benchmarks.roofline [--out result.json] [--skip served,transformers,profile,invariant,traffic]
+    python3 -m benchmarks.roofline [--out result.json] [--skip served,transformers,profile,invariant,traffic,fp8]
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.shapes import write_diffusion_gemma_shapes, write_shapes
+from benchmarks.shapes import write_diffusion_gemma_shapes, write_fp8_dynamic, write_shapes
 from model.checkpoint import RunnerArgs
 from model.protocol import Command, NewSlot
 from model.runner import Runner
@@ -195,6 +198,42 @@ def nemotron(work: Path, bandwidth: float, result: dict, skip: set[str]) -> None
         result["P2"] = served["denoising_steps_per_s"] / one["denoising_steps_per_s"]
 
 
+def fp8(work: Path, bandwidth: float, result: dict, skip: set[str]) -> None:
+    """Both families' FP8-dynamic shapes (benchmarks/shapes.write_fp8_dynamic): P1 against the bytes an FP8
+    forward reads (FP8 weights, BF16 pieces included), FP8 / BF16 step times at the BF16 rows' batches
+    (DiffusionGemma at 1 and 4 canvases, the 8B at 1 and 16), the FP8 DiffusionGemma step's profile."""
+    out = result.setdefault("fp8", {})
+    nemo_params = DecodeParams(temperature=0, max_tokens=256, ignore_eos=True, policy="low_confidence",
+                               max_denoising_steps=32, seed_first_position=False)
+    prompt = [1] + list(range(1000, 1015))
+    gen = torch.Generator().manual_seed(0)
+    long_prompts = [[2] + torch.randint(10, 262144, (1023,), generator=gen).tolist() for _ in range(4)]
+    gemma_params = DecodeParams(max_tokens=768, seed=1, ignore_eos=True, max_denoising_steps=16,
+                                confidence_threshold=0.0)
+    cases = {"nemotron": (write_shapes(work / "nemotron-ld-8b"), 16, 1024,
+                          {1: [prompt], 16: [prompt[:-1] + [2000 + i] for i in range(16)]}, nemo_params),
+             "gemma": (write_diffusion_gemma_shapes(work / "diffusion-gemma-26b-a4b"), 4, 2048,
+                       {1: long_prompts[:1], 4: long_prompts}, gemma_params)}
+    for name, (shapes, slots, max_len, batches, params) in cases.items():
+        if name in skip:
+            continue
+        for dtype, model_dir in (("bf16", shapes), ("fp8", write_fp8_dynamic(shapes, work / f"{shapes.name}-fp8"))):
+            runner = runner_of(model_dir, slots, max_len)
+            row = out.setdefault(name, {}).setdefault(dtype, {"floor_bytes": floor_bytes(runner.model)})
+            row["floor_s"] = row["floor_bytes"] / bandwidth
+            for b, prompts in batches.items():
+                steps = [timed(runner, prompts, params)["steady_step_s"] for _ in range(STEADY_REPEATS // 2 + 1)]
+                row[f"batch{b}_step_s"] = statistics.median(steps)
+            row["P1"] = row["batch1_step_s"] / row["floor_s"]
+            if dtype == "fp8" and name == "gemma" and "profile" not in skip:
+                row["profile"] = profile_step(runner, long_prompts[0], gemma_params.model_copy(update={"max_tokens": 256}))
+            del runner
+            free_cuda()
+        rows = out[name]
+        result[f"P1_fp8_{name}"] = rows["fp8"]["P1"]
+        result[f"FP8_{name}"] = {b: rows["fp8"][f"batch{b}_step_s"] / rows["bf16"][f"batch{b}_step_s"] for b in batches}
+
+
 def served_rate(model_dir: Path, prompt: list[int], params: DecodeParams, overlap: bool = True) -> dict:
     import openai
     from ray import serve
@@ -317,14 +356,15 @@ def runner_of(model_dir: Path, num_slots: int, max_model_len: int, batch_invaria
                                                   batch_invariant=batch_invariant))
 
 
-def measure_traffic(work: Path, out: Path, family: str) -> dict:
-    """benchmarks/traffic.py's measurement of one family with its default counts; a server that did not
-    start is recorded as the error (the next family still runs)."""
+def measure_traffic(work: Path, out: Path, family: str, extra: list[str] = (), tag: str = "") -> dict:
+    """benchmarks/traffic.py's measurement of one family with its default counts (or `extra` arguments);
+    a server that did not start is recorded as the error (the next family still runs)."""
     from benchmarks import traffic as measurement
     from benchmarks.server_process import ServerError
 
-    opts = measurement.parse_args(["--family", family, "--work", str(work),
-                                   "--out", str(out.with_name(f"traffic-{family}.json"))])
+    name = f"traffic-{family}{'-' + tag if tag else ''}.json"
+    opts = measurement.parse_args(["--family", family, "--work", str(work), "--out", str(out.with_name(name)),
+                                   *extra])
     try:
         return measurement.measure(opts)
     except ServerError as err:
@@ -336,13 +376,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "roofline.json")
     parser.add_argument("--work", type=Path, default=Path("/tmp/dllm-bench"))
     parser.add_argument("--skip", default="", help="comma list of: served, transformers, profile, invariant, "
-                                                   "traffic, nemotron, gemma (a family's traffic too)")
+                                                   "traffic, fp8, nemotron, gemma (a family's traffic too)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     bandwidth = copy_bandwidth()
     result["copy_bandwidth_bytes_per_s"] = bandwidth
-    for name, fn in (("nemotron", nemotron), ("gemma", diffusion_gemma)):
+    for name, fn in (("nemotron", nemotron), ("gemma", diffusion_gemma), ("fp8", fp8)):
         if name not in skip:
             t = time.perf_counter()
             try:
@@ -350,10 +390,17 @@ def main() -> None:
             finally:  # what was measured is kept when a later part fails
                 result[f"{name}_bench_s"] = time.perf_counter() - t
                 args.out.write_text(json.dumps(result, indent=2, default=str))
-    for name, family in (("nemotron", "nemotron-ld"), ("gemma", "diffusion-gemma")):
-        if "traffic" not in skip and name not in skip:
+    for name, family in (("nemotron", "nemotron-ld"), ("gemma", "diffusion-gemma"), ("fp8", "diffusion-gemma")):
+        if "traffic" not in skip and name not in skip and (name != "fp8" or "gemma" not in skip):
             t = time.perf_counter()
             try:
+                if name == "fp8":   # the seed workload on the FP8 checkpoint users serve, at 1 and 4
+                    model_dir = write_fp8_dynamic(write_diffusion_gemma_shapes(args.work / "diffusion-gemma-26b-a4b"),
+                                                  args.work / "diffusion-gemma-26b-a4b-fp8")
+                    result.setdefault("traffic", {})["diffusion-gemma-fp8"] = measure_traffic(
+                        args.work, args.out, family, ["--model", str(model_dir), "--seed-levels", "1,4",
+                                                      "--requests", "16", "--warmup-requests", "8"], "fp8")
+                    continue
                 result.setdefault("traffic", {})[family] = measure_traffic(args.work, args.out, family)
             finally:
                 result[f"traffic_{name}_s"] = time.perf_counter() - t
@@ -373,7 +420,13 @@ def summary(r: dict) -> str:
             ("SC self-conditioning on / off step time", r.get("SC"), "<= 1.03"),
             ("BI batch-invariant / default step time, 8B batch 1", (r.get("BI_nemotron") or {}).get(1), "cost"),
             ("BI batch-invariant / default step time, 8B batch 16", (r.get("BI_nemotron") or {}).get(16), "cost"),
-            ("BI batch-invariant / default step time, 26B-A4B", r.get("BI_diffusion_gemma"), "cost")]
+            ("BI batch-invariant / default step time, 26B-A4B", r.get("BI_diffusion_gemma"), "cost"),
+            ("P1 FP8 Nemotron-LD 8B: per-forward / FP8 weight-read floor", r.get("P1_fp8_nemotron"), "<= 1.25"),
+            ("P1 FP8 DiffusionGemma 26B-A4B: per-forward / FP8 floor", r.get("P1_fp8_gemma"), "<= 1.25"),
+            ("FP8 / BF16 step time, 8B batch 1", (r.get("FP8_nemotron") or {}).get(1), "report"),
+            ("FP8 / BF16 step time, 8B batch 16", (r.get("FP8_nemotron") or {}).get(16), "report"),
+            ("FP8 / BF16 step time, 26B-A4B 1 canvas", (r.get("FP8_gemma") or {}).get(1), "report"),
+            ("FP8 / BF16 step time, 26B-A4B 4 canvases", (r.get("FP8_gemma") or {}).get(4), "report")]
     for family, measured in (r.get("traffic") or {}).items():
         from benchmarks.traffic import rows as traffic_rows
 

@@ -65,3 +65,28 @@ def write_diffusion_gemma_shapes(outdir: Path, text: dict = DIFFUSION_GEMMA_26B_
         build_tiny_tokenizer(outdir, vocab_size=text["vocab_size"], special_tokens=s, bos_token=s[2], eos_token=s[1],
                              pad_token=s[0], mask_token=None, chat_template=GEMMA_STYLE_CHAT_TEMPLATE)
     return outdir
+
+
+# The modules an FP8-dynamic checkpoint keeps in BF16: RedHatAI/diffusiongemma-26B-A4B-it-FP8-dynamic's
+# ignore list (routers, the vision tower, self-conditioning, the head), as compressed-tensors patterns;
+# for Nemotron-LD its head, as llm-compressor's recipes keep lm_head
+FP8_IGNORE = {"diffusion_gemma": ["re:.*router\\.proj$", "re:.*vision_tower\\..*", "re:.*embed_vision\\..*",
+                                  "re:.*self_conditioning\\..*", "lm_head"],
+              "nemotron_labs_diffusion": ["re:.*diffusion_head$", "lm_head"]}
+
+
+def write_fp8_dynamic(shapes: Path, outdir: Path) -> Path:
+    """The shapes of `shapes` as a compressed-tensors FP8-dynamic checkpoint directory (config.json with its
+    quantization_config; `load_format=dummy` fills FP8 weights and their scales)."""
+    import shutil
+
+    from model.tiny import fp8_dynamic_config
+
+    outdir.mkdir(parents=True, exist_ok=True)
+    for f in shapes.iterdir():
+        if f.is_file():
+            shutil.copy(f, outdir / f.name)
+    cfg = json.loads((shapes / "config.json").read_text())
+    cfg["quantization_config"] = fp8_dynamic_config(FP8_IGNORE[cfg["model_type"]])
+    (outdir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return outdir

@@ -37,8 +37,8 @@ from torch import nn
 from model.attention import cached_attention, get_step_context, kv_rows
 from model.batch_invariant import linear
 from model.config import FULL, SLIDING, DiffusionGemmaConfig, LayerRope
-from model.fused import (add_gemma_rms_norm, gelu_mul, gemma_feedforward_inputs, gemma_feedforward_out,
-                         gemma_qkv, gemma_rms_norm)
+from model.fused import (add_gemma_rms_norm, gelu_mul, gelu_mul_quantized, gemma_feedforward_inputs,
+                         gemma_feedforward_out, gemma_qkv, gemma_rms_norm)
 from model.interface import KVLayout
 from model.moe import GemmaExperts, GemmaRouter
 from model.parallel.group import TPGroup
@@ -125,7 +125,10 @@ class GemmaMLP(nn.Module):
                                            fp8=quant.fp8("down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        if self.down_proj.fp8_kernels(h):   # FP8: the gated activation quantized in its own kernel
+            return self.down_proj(gelu_mul_quantized(h)).view(*x.shape[:-1], -1)
+        return self.down_proj(gelu_mul(h))
 
 
 class DiffusionGemmaDecoderLayer(nn.Module):

@@ -6,8 +6,9 @@ arrive.
     activation:  sx = max(absmax(x_t) / 448, 1 / (448 * 512)),  xq = fp8(clamp(x_t / sx, +-448))
     y_t         = (xq * sx) (Wq * sw)^T
 
-The functions below are the reference that every device without an FP8 kernel runs (the CPU, and CUDA
-until its kernels land), and that the FP8 kernels must reproduce: they round the activations to FP8 in
+The functions below are the reference that every device without FP8 tensor cores runs (the CPU; also
+CUDA in the batch-invariant mode), and that the FP8 kernels (model/kernels/fp8.py, where `kernels_take`)
+reproduce up to their summation order: they round the activations to FP8 in
 fp32 exactly as compressed-tensors' dynamic token quantization does (x / sx; vLLM's kernels multiply by
 1 / sx instead, which moves a value across an FP8 rounding boundary a few times in 10^7), with vLLM's
 floor on the scale, and compute with the dequantized weight and activation in fp32 (fp64 for an fp64
@@ -20,8 +21,11 @@ slice of a token (as vLLM does): no collective for the scales, a finer rounding 
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from model import batch_invariant
 from model.batch_invariant import linear
 
 FP8 = torch.float8_e4m3fn
@@ -65,11 +69,25 @@ def fake_quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return dequantize(*quantize_per_token(x), dtype)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """x [..., in] W^T for an FP8 weight [out, in] with its scales [out, 1] -> [..., out] in x's dtype.
+def kernels_take(x: torch.Tensor) -> bool:
+    """Whether activations x go through the FP8 kernels (model.kernels.fp8): 16-bit activations on a GPU
+    with FP8 tensor cores (compute capability 8.9+), outside the batch-invariant mode. Elsewhere the
+    reference below runs."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not batch_invariant.enabled()
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
-    The seam of the FP8 kernels: on CUDA, an FP8 GEMM goes here (torch._scaled_mm of quantize_per_token(x)
-    and weight.t() with scale_a = sx, scale_b = weight_scale.t(), out_dtype = x.dtype). Until then every
-    device runs this reference, through batch_invariant.linear as the unquantized path does."""
+
+class Quantized(NamedTuple):
+    """Activations quantized per row, as the FP8 kernels read them (model.fused makes them in the kernel
+    that produces the activations)."""
+    q: torch.Tensor        # [rows, K] float8_e4m3fn
+    scale: torch.Tensor    # [rows] fp32
+    dtype: torch.dtype     # the activations' own dtype: the matmul's output's
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """x [..., in] W^T for an FP8 weight [out, in] with its scales [out, 1] -> [..., out] in x's dtype: the
+    reference (model.parallel.linear sends activations the kernels take to them instead), through
+    batch_invariant.linear as the unquantized path goes."""
     dtype = compute_dtype(x.dtype)
     return linear(fake_quantize_per_token(x, dtype), dequantize(weight, weight_scale, dtype)).to(x.dtype)

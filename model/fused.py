@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from model.batch_invariant import mean_square
+from model.fp8 import Quantized, quantize_per_token
 
 if TYPE_CHECKING:
     from model.attention import KVRows
@@ -182,3 +183,40 @@ def gemma_feedforward_out(h: torch.Tensor, dense: torch.Tensor, moe: torch.Tenso
 def gelu_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+# ---- FP8-dynamic activations (model/fp8.py): quantized per row in the kernel that produces them ----
+
+@fused
+def _quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = quantize_per_token(x)
+    return q, scale.squeeze(-1)
+
+
+@fused
+def _silu_mul_quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up = x.chunk(2, dim=-1)
+    q, scale = quantize_per_token(F.silu(gate) * up)
+    return q, scale.squeeze(-1)
+
+
+@fused
+def _gelu_mul_quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up = x.chunk(2, dim=-1)
+    q, scale = quantize_per_token(F.gelu(gate, approximate="tanh") * up)
+    return q, scale.squeeze(-1)
+
+
+def quantize_rows(x: torch.Tensor) -> Quantized:
+    """x [..., K] -> its rows [rows, K] quantized per row (one kernel reading x once)."""
+    return Quantized(*_quantized_rows(x.reshape(-1, x.shape[-1])), x.dtype)
+
+
+def silu_mul_quantized(x: torch.Tensor) -> Quantized:
+    """silu_mul(x) quantized per row, in silu_mul's kernel: the FP8 down projection's input."""
+    return Quantized(*_silu_mul_quantized(x.reshape(-1, x.shape[-1])), x.dtype)
+
+
+def gelu_mul_quantized(x: torch.Tensor) -> Quantized:
+    """gelu_mul(x) quantized per row, in gelu_mul's kernel: the FP8 down projection's input."""
+    return Quantized(*_gelu_mul_quantized(x.reshape(-1, x.shape[-1])), x.dtype)

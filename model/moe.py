@@ -28,8 +28,8 @@ from torch import nn
 from model import batch_invariant
 from model.batch_invariant import row_sum, softmax
 from model.config import DiffusionGemmaConfig
-from model.fp8 import FP8, compute_dtype, dequantize, fake_quantize_per_token
-from model.fused import gelu_mul
+from model.fp8 import FP8, compute_dtype, dequantize, fake_quantize_per_token, kernels_take
+from model.fused import gelu_mul, gelu_mul_quantized, quantize_rows
 from model.parallel.group import TPGroup
 from model.parallel.linear import (ReplicatedLinear, check_shape, copy_into, divide, new_param, new_scale,
                                    read_slice)
@@ -129,14 +129,34 @@ class GemmaExperts(nn.Module):
             return grouped_linear(x, weight, pairs, gather)
         return fp8_grouped_linear(x, weight, scale, pairs, gather)
 
+    def fp8_kernels(self, x: torch.Tensor) -> bool:
+        """FP8 experts whose dims the FP8 kernels take (multiples of 16), activations they take."""
+        return (self.down_proj_scale is not None and self.hidden % 16 == 0 and self.intermediate % 16 == 0
+                and kernels_take(x))
+
+    def scaled(self, x: torch.Tensor, pairs: SortedPairs) -> torch.Tensor:
+        """Both projections through model.kernels.fp8: the tokens quantized once (every pair of a token
+        reads its row and scale), the gated activation quantized in its own kernel."""
+        from model.kernels.fp8 import scaled_grouped   # triton: imported where CUDA runs it
+
+        a = quantize_rows(x)
+        gate_up = scaled_grouped(a.q, a.scale, self.gate_up_proj, self.gate_up_proj_scale, pairs.ends, pairs.token,
+                                 x.dtype, pairs.tile_map)
+        h = gelu_mul_quantized(gate_up)
+        return scaled_grouped(h.q, h.scale, self.down_proj, self.down_proj_scale, pairs.ends, None, x.dtype,
+                              pairs.tile_map)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 shared: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H], weights/ids [T, k] (the router's); shared [T, H]: this rank's partial sum of another
         branch of the same tokens (the layer's dense MLP) -> (shared, experts' output) [T, H] each, both
         summed over the ranks in one all-reduce."""
         pairs = sort_pairs(ids, self.num_experts)
-        h = gelu_mul(self.project(x, self.gate_up_proj, self.gate_up_proj_scale, pairs, gather=True))
-        y = self.project(h, self.down_proj, self.down_proj_scale, pairs)
+        if self.fp8_kernels(x):
+            y = self.scaled(x, pairs)
+        else:
+            h = gelu_mul(self.project(x, self.gate_up_proj, self.gate_up_proj_scale, pairs, gather=True))
+            y = self.project(h, self.down_proj, self.down_proj_scale, pairs)
         routed = combine_pairs(y, pairs, weights).to(x.dtype)
         if not self.tp.is_parallel:   # alone: no copy into a stack
             return shared, routed
@@ -200,10 +220,9 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, pairs: SortedPairs, gather:
 def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, pairs: SortedPairs,
                        gather: bool = False) -> torch.Tensor:
     """grouped_linear of FP8 expert weights w [E, out, in] with their scales [E, out] -> [P, out] in x's
-    dtype. The seam of an FP8 grouped kernel (on CUDA: the triton grouped kernel reading FP8 weights,
-    per-token activation scales and per-channel weight scales in its epilogue). Until then every device
-    runs this reference (model/fp8.py): x rounded to FP8 per token (per pair row: a gathered row is its
-    token's), weights dequantized, the matmul in fp32 (fp64 for an fp64 model)."""
+    dtype: the reference (model/fp8.py; GemmaExperts.scaled runs model.kernels.fp8 where it can): x
+    rounded to FP8 per token (per pair row: a gathered row is its token's), weights dequantized, the
+    matmul in fp32 (fp64 for an fp64 model)."""
     dtype = compute_dtype(x.dtype)
     xq, wq = fake_quantize_per_token(x, dtype), dequantize(w, scale.unsqueeze(-1), dtype)
     return grouped_linear(xq, wq, pairs, gather).to(x.dtype)

@@ -17,7 +17,7 @@ from torch import nn
 
 from model.attention import cached_attention, kv_rows
 from model.config import NemotronLabsDiffusionConfig
-from model.fused import add_rms_norm, rotary, silu_mul
+from model.fused import add_rms_norm, rotary, silu_mul, silu_mul_quantized
 from model.interface import KVLayout
 from model.layers import RMSNorm, RotaryEmbedding
 from model.parallel.group import TPGroup
@@ -60,7 +60,10 @@ class NemotronLDMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, fp8=quant.fp8("down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        if self.down_proj.fp8_kernels(h):   # FP8: the gated activation quantized in its own kernel
+            return self.down_proj(silu_mul_quantized(h)).view(*x.shape[:-1], -1)
+        return self.down_proj(silu_mul(h))
 
 
 class NemotronLDDecoderLayer(nn.Module):

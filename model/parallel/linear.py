@@ -6,7 +6,8 @@ loader's lazy safetensors slice), so a rank never materialises a whole checkpoin
 checks the whole tensor's shape before it reads its slice.
 
 Built with `fp8=True` (model/quant_config.py says which), a linear holds its weight as float8_e4m3fn
-plus `weight_scale` [out, 1], one scale per output channel, and multiplies through model.fp8. Its scales
+plus `weight_scale` [out, 1], one scale per output channel, and multiplies through model.kernels.fp8 where
+its activations allow (model.fp8.kernels_take), else through model.fp8's reference. Its scales
 are sharded as its rows are: split with them in column-parallel layers (each of q/k/v's or gate/up's
 rows to where its weight rows go, replicated KV heads included), whole in row-parallel ones.
 """
@@ -17,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.batch_invariant import linear
-from model.fp8 import FP8, fp8_linear
+from model.fp8 import FP8, Quantized, fp8_linear, kernels_take
+from model.fused import quantize_rows
 from model.parallel.group import TPGroup, shard_range
 
 
@@ -82,12 +84,26 @@ class LinearBase(nn.Module):
         """Per-output-channel scales go where their weight rows go (row-parallel layers override)."""
         self.weight_loader(param, source, *shard_id)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def fp8_kernels(self, x: torch.Tensor) -> bool:
+        """Whether this layer multiplies x with the FP8 kernels (model.kernels.fp8): an FP8 weight whose
+        dims the FP8 GEMM takes (multiples of 16), activations model.fp8.kernels_take."""
+        return (self.weight_scale is not None and self.input_size % 16 == 0 and self.output_size % 16 == 0
+                and kernels_take(x))
+
+    def matmul(self, x: torch.Tensor | Quantized) -> torch.Tensor:
+        """x [..., in] -> [..., out]; or activations already quantized in their producer (only where
+        `fp8_kernels` said so) [rows, in] -> [rows, out]."""
+        if isinstance(x, Quantized) or (self.weight_scale is not None and self.fp8_kernels(x)):
+            from model.kernels.fp8 import scaled_linear   # triton: imported where CUDA runs it
+
+            a = x if isinstance(x, Quantized) else quantize_rows(x)
+            y = scaled_linear(a.q, a.scale, self.weight, self.weight_scale, a.dtype)
+            return y if isinstance(x, Quantized) else y.view(*x.shape[:-1], self.output_size)
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale)
         return linear(x, self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Quantized) -> torch.Tensor:
         return self.matmul(x)
 
 
@@ -178,7 +194,7 @@ class RowParallelLinear(LinearBase):
         """Every rank computes all output channels (partial sums over its columns): all the scales."""
         replicated_loader(param, source)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Quantized) -> torch.Tensor:
         y = self.matmul(x)
         return self.tp.all_reduce(y) if self.reduce_results else y
 

@@ -1,0 +1,156 @@
+"""GPU tier, FP8 (`pytest -m gpu`, an FP8-capable GPU): model/kernels/fp8.py against model/fp8.py's
+reference, kernel by kernel and through whole models, in CUDA graphs."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _quantized(rows: int, k: int, seed: int):
+    from model.fused import quantize_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 4).to(torch.bfloat16)
+    x[0] = 0   # a row of zeros: the scale's floor
+    return x, quantize_rows(x.cuda())
+
+
+def _weights(*shape: int, seed: int):
+    from model.fp8 import quantize_per_channel
+
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.02
+    q, s = quantize_per_channel(w)
+    return q.cuda(), s.float().cuda()
+
+
+def test_quantize_rows_is_the_reference_rounding():
+    """The fused per-row quantization (one inductor kernel, which divides by a constant as a multiply by
+    its reciprocal) gives the reference's scales to an ulp, the floor for a row of zeros, and its FP8
+    values but for a rare division rounded the other way (then one FP8 step apart)."""
+    from model.fp8 import quantize_per_token
+
+    x, a = _quantized(300, 2816, 0)
+    q, s = quantize_per_token(x)
+    torch.testing.assert_close(a.scale.cpu(), s[:, 0], rtol=2 ** -23, atol=0)
+    assert a.scale[0].item() == pytest.approx(1 / (448 * 512)) and (a.q[0].float() == 0).all()
+    got, ref = a.q.cpu().float(), q.float()
+    differ = got != ref
+    assert differ.float().mean() < 1e-4
+    step = torch.where(ref.abs() >= 256, 32.0, 2.0 ** (ref.abs().clamp(min=2 ** -6).log2().floor() - 3))
+    assert ((got - ref).abs() <= step)[differ].all()
+
+
+@pytest.mark.parametrize("m", [1, 32, 37, 256])
+def test_scaled_linear_equals_the_reference(m):
+    """torch._scaled_mm with row and channel scales (32 rows: swapped, W x^T) = the reference's fp32 product
+    of the same FP8 values, rounded once to bf16 (up to fp32 summation order)."""
+    from model.fp8 import dequantize
+    from model.kernels.fp8 import scaled_linear
+
+    x, a = _quantized(m, 2816, m)
+    w, sw = _weights(2112, 2816, seed=1)
+    got = scaled_linear(a.q, a.scale, w, sw, torch.bfloat16).float()
+    ref = dequantize(a.q, a.scale[:, None], torch.float32) @ dequantize(w, sw, torch.float32).t()
+    torch.testing.assert_close(got, ref.to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("variant", ["triton", "cutlass"])
+@pytest.mark.parametrize("tokens", [3, 40, 300])
+def test_scaled_grouped_equals_the_reference(variant, tokens):
+    """Both grouped FP8 kernels, gathering token rows (gate/up) and reading pair rows (down), against the
+    reference per expert; experts with no rows included."""
+    from model.fp8 import dequantize
+    from model.kernels import fp8 as K
+    from model.moe import sort_pairs
+
+    E, k, H, N = 16, 4, 512, 384
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(E - 3, generator=gen)[:k] for _ in range(tokens)]).cuda()   # 3 idle experts
+    pairs = sort_pairs(ids, E)
+    x, a = _quantized(tokens, H, 2)
+    w, sw = _weights(E, N, H, seed=3)
+    run = K.grouped_in_triton if variant == "triton" else K.grouped_in_cutlass
+    got = run(a.q, a.scale, w, sw[..., 0].contiguous(), pairs.ends, pairs.token, torch.bfloat16).float()
+    expert = ids.flatten()[torch.argsort(ids.flatten(), stable=True)]
+    xr = dequantize(a.q, a.scale[:, None], torch.float32)[pairs.token]
+    ref = torch.einsum("pk,pnk->pn", xr, dequantize(w, sw, torch.float32)[expert])
+    torch.testing.assert_close(got, ref.to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+
+
+@contextlib.contextmanager
+def reference_only():
+    """Every FP8 layer through model/fp8.py's reference, as on a GPU without FP8 kernels."""
+    import model.moe
+    import model.parallel.linear
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model.parallel.linear, "kernels_take", lambda x: False)
+        mp.setattr(model.moe, "kernels_take", lambda x: False)
+        yield
+
+
+def test_fp8_nemotron_logits_with_kernels_track_the_reference(tiny_fp8_nemotron):
+    """A whole FP8 model's logits through the kernels against the same model through the reference (bf16
+    on CUDA both): they differ by summation order and bf16 roundings only."""
+    from model.attention import KVCache, StepContext, step_context
+    from model.loader import load_model
+
+    model = load_model(tiny_fp8_nemotron, dtype="bfloat16", device="cuda", show_progress=False)
+    ids = torch.randint(0, 997, (1, 120), generator=torch.Generator().manual_seed(0)).cuda()
+    layers, hkv, d = model.kv_shape
+
+    def logits():
+        kv = KVCache(layers, 1, 256, hkv, d, torch.bfloat16, "cuda")
+        ctx = StepContext.build(kv, [0], [0], [120], [True], 120, "cuda")
+        with step_context(ctx), torch.no_grad():
+            return model.head_logits(model(ids, torch.arange(120, device="cuda")[None]))[0].float().cpu()
+
+    got = logits()
+    with reference_only():
+        expected = logits()
+    assert (got - expected).abs().max() < 0.05 * expected.std()
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.97
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_fp8_engine_in_cuda_graphs(family, tiny_fp8_nemotron, tiny_fp8_gemma):
+    """A warmed-up FP8 runner (the kernels inside its CUDA graphs) serves a mix of requests with no eager
+    step and no capture, and its greedy tokens are those of the reference path for nearly every position
+    (a near-tie of these random tiny models may fall either way), its logprobs close where they agree."""
+    from model.sampling.params import DecodeParams
+    from workers.engine import Engine
+
+    model_dir, vocab = (tiny_fp8_nemotron, 900) if family == "nemotron" else (tiny_fp8_gemma, 500)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(10, vocab, (n,), generator=gen).tolist() for n in (5, 17, 40)]
+    params = DecodeParams(max_tokens=32, temperature=0, logprobs=0, ignore_eos=True, seed=1)
+
+    def run(warm: bool):
+        with Engine(model_dir, num_slots=4, max_model_len=256, device="cuda", dtype="bfloat16") as e:
+            runner = e.shards.runner
+            if warm:
+                report = runner.warm_up()
+                captured = runner.graphs.captured
+            else:
+                runner.graphs = None
+            outs = e.generate(prompts, params)
+            if warm:
+                assert runner.graphs.captured == captured == sum(report["graphs"].values())
+                assert runner.graphs.eager_steps == 0
+            return outs
+
+    got = run(True)
+    with reference_only():
+        expected = run(False)
+    same = total = 0
+    for g, x in zip(got, expected):
+        total += len(x.output)
+        agree = [i for i, (a, b) in enumerate(zip(g.output, x.output)) if a == b]
+        same += len(agree)
+        if x.logprobs:
+            assert max(abs(g.logprobs[i] - x.logprobs[i]) for i in agree[:8]) < 0.1
+    assert same >= 0.8 * total
