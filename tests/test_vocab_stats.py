@@ -152,23 +152,31 @@ def test_triton_rank_top_k_equals_torch_in_the_interpreter():
 
 THRESHOLD_CHECK = r"""
 import torch
+import model.kernels.filters as F
 from model.kernels.filters import triton_threshold
 from model.parallel.group import TPGroup
 from model.sampling.filters import torch_threshold
 torch.manual_seed(0)
-# rows: top-k only, top-p only, both, neither; a tie at a row's 3rd largest; the mask token's -inf
-for V, vs, dtype, softcap, on_scaled in [(3000, 0, torch.float32, None, True), (2500, 64, torch.bfloat16, 30.0, False)]:
-    x = (torch.randn(4, 2, V) * 4).to(dtype)
-    x[0, 0, 5] = float("-inf")
-    top = x[2, 1].topk(3).values
-    x[2, 1, :2] = top[2]
-    temp = torch.tensor([0.7, 0.0, 1.3, 1.0])
-    top_k, top_p = torch.tensor([5, 0, 3, 0]), torch.tensor([1.0, 0.6, 0.9, 1.0])
-    a = torch_threshold(x, temp, top_k, top_p, vs, TPGroup(), softcap=softcap, on_scaled=on_scaled)
-    b = triton_threshold(x, temp, top_k, top_p, vs, TPGroup(), softcap=softcap, on_scaled=on_scaled)
-    assert torch.equal(torch.isinf(a), torch.isinf(b)) and torch.isinf(a[3]).all() and torch.isfinite(a[:3]).all()
-    tol = 0 if softcap is None else 1e-5   # the interpreter's tanh is not torch's to the last bit
-    assert torch.allclose(a, b, rtol=tol, atol=0), (a, b)
+# rows: top-k only, top-p only, both, neither, k past the vocabulary; a tie at a row's 3rd largest; -inf
+# entries; a vocabulary offset; logits large enough that the softcap's tanh rounds to 1 (equal values of
+# distinct logits); the kernel's own tiling, and small splits and tiles (several a row, a ragged last one)
+cases = [(3000, 0, torch.float32, None, True, 4), (2500, 64, torch.bfloat16, 30.0, False, 4),
+         (1800, 0, torch.float32, 30.0, True, 200)]
+for split, count_block, mass_block in [(F.SPLIT, F.COUNT_BLOCK, F.MASS_BLOCK), (1024, 512, 256)]:
+    F.SPLIT, F.COUNT_BLOCK, F.MASS_BLOCK = split, count_block, mass_block
+    for V, vs, dtype, softcap, on_scaled, scale in cases:
+        x = (torch.randn(5, 2, V) * scale).to(dtype)
+        x[0, 0, 5] = float("-inf")
+        x[1, 1, :100] = float("-inf")
+        top = x[2, 1].topk(3).values
+        x[2, 1, :2] = top[2]
+        temp = torch.tensor([0.7, 0.0, 1.3, 1.0, 2.0])
+        top_k, top_p = torch.tensor([5, 0, 3, 0, 4000]), torch.tensor([1.0, 0.6, 0.9, 1.0, 0.3])
+        a = torch_threshold(x, temp, top_k, top_p, vs, TPGroup(), softcap=softcap, on_scaled=on_scaled)
+        b = triton_threshold(x, temp, top_k, top_p, vs, TPGroup(), softcap=softcap, on_scaled=on_scaled)
+        assert torch.equal(torch.isinf(a), torch.isinf(b)) and torch.isinf(a[3]).all() and torch.isfinite(a[:3]).all()
+        tol = 0 if softcap is None else 1e-5   # the interpreter's tanh is not torch's to the last bit
+        assert torch.allclose(a, b, rtol=tol, atol=0), (split, V, dtype, a, b)
 print("thresholds: triton == torch")
 """
 
@@ -176,7 +184,8 @@ print("thresholds: triton == torch")
 def test_triton_thresholds_equal_torch_in_the_interpreter():
     """The filters' radix select over the raw logits' keys (model/kernels/filters.py) finds the thresholds
     torch's select over the decided values finds: top-k, top-p, both and neither, fp32 logits divided by
-    T and bf16 logits softcapped, a tie, a -inf entry, a vocabulary offset."""
+    T and bf16 logits softcapped, a tie, -inf entries, a vocabulary offset, a saturated softcap, and
+    several splits and tiles a row."""
     run_interpreted(THRESHOLD_CHECK, "thresholds: triton == torch", timeout=300)
 
 

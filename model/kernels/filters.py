@@ -5,10 +5,12 @@ The values filters are decided on, v = softcap(x) (DiffusionGemma) or x / T (mas
 non-decreasing function of the raw logit x, so the k-th largest v is v(the k-th largest x), and the
 largest v-threshold reaching a top-p mass is v(the largest x-threshold reaching it). The search runs
 over the keys of x in its own precision: 16 bits for bf16 logits (four passes of four bits), 32
-otherwise. A pass is one launch over (row position, split of the vocabulary slice): it first picks the
-digit the previous pass's totals decided (every split of a row reads the same totals, so all agree),
-then counts (top-k) or sums the probability (top-p) of its split's entries at or above 16 candidates.
-Between passes, with tensor parallelism, one SUM all-reduce makes the totals global. In all:
+otherwise. Keys are unsigned (the float's order-preserving bits with the sign bit flipped), so a key
+minus a prefix never overflows int32 arithmetic. A pass is one launch over (row position, split of the
+vocabulary slice): it first picks the digit the previous pass's totals decided (every split of a row
+reads the same totals, so all agree), then totals its split's entries at or above 16 candidates
+prefix + d << shift. Between passes, with tensor parallelism, one SUM all-reduce makes the totals global.
+In all:
 
     top-k   BITS/4 count passes
     top-p   a log-normaliser pass over the top-k survivors, then BITS/4 mass passes
@@ -17,6 +19,19 @@ Between passes, with tensor parallelism, one SUM all-reduce makes the totals glo
 about ten launches whatever the batch asks; a row that asks for neither filter exits every pass at
 once. The threshold is computed by `decided_value`, the code the statistics kernels
 (model/kernels/vocab_stats.py) apply to every entry, so the entry x_t always passes its own threshold.
+
+Why the passes are cheap (each should cost little more than reading the split once):
+  - a count pass does not compare every entry with 16 candidates: it bins each entry by its digit,
+    (key - prefix) >> shift clamped to "above" (bin 0: below the prefix or past the slice), and takes
+    one 32-bin tl.histogram per tile (warp ballots on the GPU); the candidates' counts are the
+    histogram's suffix sums, once per program.
+  - a mass pass needs a sum of probabilities per digit, which a histogram cannot weight: it
+    accumulates a [16, BLOCK] tile, candidates along the first axis, so that each lane holds all 16
+    candidates of its own entries and the per-entry work (tanh, exp, the key) is done once per entry
+    (with the candidates along the last axis, triton spreads them over lanes and every lane redoes the
+    per-entry work of the entries it shares).
+  - passes skip a tile from its maximum logit alone: an entry counts in no candidate below the pass's
+    prefix, and no entry of a tile survives top-k when its largest value does not (v is non-decreasing).
 """
 from __future__ import annotations
 
@@ -29,9 +44,13 @@ from model.kernels.launch import INTERPRETED
 from model.parallel.group import TPGroup
 from model.sampling.filters import CANDIDATES
 
-BLOCK = 256      # a tile's [BLOCK, 16] candidates' totals stay in registers
-SPLIT = 16384
+SPLIT = 16384        # vocabulary entries per program
+COUNT_BLOCK = 2048   # a count pass's tile: one histogram per tile
+MASS_BLOCK = 512     # a mass pass's tile: its [16, MASS_BLOCK] fp32 totals stay in registers
+NUM_WARPS = 4
+HISTOGRAM = True     # count passes by tl.histogram (False: by 16 comparisons an entry; the same totals)
 COUNT, LOG_NORM, MASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)   # the pass kinds (constexprs: kernels read them)
+BINS = 32            # a count histogram's bins: below, the 16 digits, above, unused
 
 
 @triton.jit
@@ -62,17 +81,19 @@ def decided_value(x, t_eff, softcap, HAS_SOFTCAP: tl.constexpr, ON_SCALED: tl.co
 
 @triton.jit
 def _logit_keys(x, BITS: tl.constexpr):
-    """Order-preserving int64 keys of fp32 x in the logits' own BITS-bit precision (bf16 values in fp32
-    are their 16 bits shifted up), -0 as +0."""
+    """Order-preserving uint32 keys in [0, 2^BITS) of fp32 x in the logits' own BITS-bit precision (bf16
+    values in fp32 are their 16 bits shifted up), -0 as +0: the signed order of the float's bits, its
+    sign bit flipped."""
     bits = x.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) >> (32 - BITS)
-    return tl.where(ordered == -1, 0, ordered)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    ordered = tl.where(ordered == -1, 0, ordered)
+    return (ordered.to(tl.uint32, bitcast=True) ^ 0x80000000) >> (32 - BITS)
 
 
 @triton.jit
 def _key_logit(key, BITS: tl.constexpr):
-    """The fp32 logit of a key of _logit_keys."""
-    ordered = (key << (32 - BITS)).to(tl.int32)
+    """The fp32 logit of a key of _logit_keys (held in int64)."""
+    ordered = ((key - (1 << (BITS - 1))) << (32 - BITS)).to(tl.int32)
     return tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
 
 
@@ -94,7 +115,7 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
                         HAS_SOFTCAP: tl.constexpr,
                         ON_SCALED: tl.constexpr, INTERPRETED: tl.constexpr, NC: tl.constexpr,
                         SPLITS_P2: tl.constexpr, NORM_SPLITS_P2: tl.constexpr, SPLIT_SIZE: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr):
+                        BLOCK_SIZE: tl.constexpr, HISTOGRAM: tl.constexpr, BINS: tl.constexpr):
     """COUNT pass PASS: out[n, split, d] = entries with key >= prefix + d << shift; LOG_NORM: out[n, split,
     0:2] = (max, sum exp(v - max)) of the top-k survivors' values (and xk[n] = the top-k threshold's
     logit); MASS pass PASS: out[n, split, d] = their probability mass at keys >= prefix + d << shift.
@@ -106,8 +127,10 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
     p = tl.load(top_p_ptr + row)
     active = (k > 0) if MODE == COUNT else (p < 1)
     d = tl.arange(0, NC)
-    # per-lane totals, summed across lanes once after the loop (a cross-lane sum every tile cost more)
-    acc = tl.zeros((BLOCK_SIZE, NC), dtype=tl.float32)
+    bins = tl.arange(0, BINS)
+    hist = tl.zeros((BINS,), dtype=tl.int32)
+    # per-lane totals [candidate, entry], summed across lanes once after the loop
+    acc = tl.zeros((NC, BLOCK_SIZE), dtype=tl.float32)
     m = tl.full((), -float("inf"), tl.float32)
     z = tl.zeros((), tl.float32)
     if active:
@@ -117,13 +140,14 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
             target = k.to(tl.float32)
         else:
             target = p
-        prefix = tl.full((), -(1 << (BITS - 1)), tl.int64)
+        prefix = tl.zeros((), tl.int64)
         if PASS > 0:
             digit, _ = _chosen(prev_ptr, n, splits, target, NC, SPLITS_P2)
             prefix = tl.load(prefix_ptr + (PASS - 1) * tl.num_programs(0) + n) + (digit.to(tl.int64) << (SHIFT + 4))
         if split == 0:
             tl.store(prefix_ptr + PASS * tl.num_programs(0) + n, prefix)
-        candidates = prefix + (d.to(tl.int64) << SHIFT)
+        low = prefix.to(tl.uint32)
+        thr = -float("inf")
         if MODE != COUNT:
             thr = decided_value(tl.load(xk_ptr + n), t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
         if MODE == MASS:
@@ -140,26 +164,41 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
             cols = start + off + tl.arange(0, BLOCK_SIZE)
             inside = cols < V
             x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
-            if MODE == COUNT:
-                at = (_logit_keys(x, BITS)[:, None] >= candidates[None, :]) & inside[:, None]
-                acc += at.to(tl.float32)
-            else:
-                v = decided_value(x, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
-                v = tl.where(inside & (v >= thr), v, -float("inf"))
+            top_x = tl.max(x, 0)
+            # the tile holds an entry at or above the prefix (pass 0's prefix is the smallest key)
+            reaches = (_logit_keys(top_x, BITS) >= low) if PASS > 0 else True
+            if MODE != COUNT:   # and one that survives top-k (thr = v(-inf) where no top-k: always)
+                reaches = reaches & (decided_value(top_x, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED) >= thr)
+            if reaches:
                 if MODE == LOG_NORM:
+                    v = decided_value(x, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
+                    v = tl.where(inside & (v >= thr), v, -float("inf"))
                     new_m = tl.maximum(m, tl.max(v, 0))
                     safe_m = tl.where(new_m == -float("inf"), 0.0, new_m)
                     z = z * tl.exp(m - safe_m) + tl.sum(tl.exp(v - safe_m), 0)
                     m = new_m
                 else:
-                    mass = tl.exp(v - norm)
-                    at = _logit_keys(x, BITS)[:, None] >= candidates[None, :]
-                    acc += tl.where(at, mass[:, None], 0.0)
+                    key = _logit_keys(x, BITS)
+                    at = key >= low
+                    # the digit, 16 for keys past the pass's range (they count in every candidate)
+                    digit = tl.minimum((key - low) >> SHIFT, 16).to(tl.int32)
+                    if MODE == COUNT:
+                        binned = tl.where(at & inside, digit + 1, 0)   # bin 0: counted in no candidate
+                        if HISTOGRAM:
+                            hist += tl.histogram(binned, BINS)
+                        else:
+                            acc += (d[:, None] < binned[None, :]).to(tl.float32)
+                    else:
+                        v = decided_value(x, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
+                        mass = tl.where(at & inside & (v >= thr), tl.exp(v - norm), 0.0)
+                        acc += tl.where(d[:, None] <= digit[None, :], mass[None, :], 0.0)
     out = (n * splits + split) * NC
     if MODE == LOG_NORM:
         tl.store(out_ptr + out + d, tl.where(d == 0, m, tl.where(d == 1, z, 0.0)))
+    elif MODE == COUNT and HISTOGRAM:   # candidate d counts the bins past d: the suffix sums
+        tl.store(out_ptr + out + d, tl.sum(tl.where(bins[None, :] > d[:, None], hist[None, :], 0), 1).to(tl.float32))
     else:
-        tl.store(out_ptr + out + d, tl.sum(acc, 0))
+        tl.store(out_ptr + out + d, tl.sum(acc, 1))
 
 
 @triton.jit
@@ -216,22 +255,21 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     prefix_k = torch.empty(passes, RP, dtype=torch.int64, device=dev)
     prefix_p = torch.empty_like(prefix_k)
     xk = torch.empty(RP, device=dev)
+    width = min(SPLIT, V)
 
-    def run(mode, i, prev, prefix, out, norm_in, norm_splits):
+    def launch(mode, i, prev, prefix, out, norm_in, norm_splits, block):
         _filter_pass_kernel[(RP, splits)](
             x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, P, V, splits, norm_splits, cap, MODE=mode.value,
-            PASS=i, SHIFT=bits - 4 * (i + 1), NORM_SPLITS_P2=triton.next_power_of_2(norm_splits), SPLIT_SIZE=min(SPLIT, V),
-            BLOCK_SIZE=min(BLOCK, triton.next_power_of_2(V)), num_warps=4, **flags)
-        tp.all_reduce(out)   # a count or a mass: the totals over ranks (the log-normaliser is combined below)
+            PASS=i, SHIFT=bits - 4 * (i + 1), NORM_SPLITS_P2=triton.next_power_of_2(norm_splits), SPLIT_SIZE=width,
+            BLOCK_SIZE=min(block, triton.next_power_of_2(width)), HISTOGRAM=HISTOGRAM, BINS=BINS,
+            num_warps=NUM_WARPS, **flags)
 
     for i in range(passes):
-        run(COUNT, i, counts[i - 1] if i else counts[0], prefix_k, counts[i], norm, 1)
+        launch(COUNT, i, counts[i - 1] if i else counts[0], prefix_k, counts[i], norm, 1, COUNT_BLOCK)
+        tp.all_reduce(counts[i])   # the counts over ranks
     _top_k_logit_kernel[(RP,)](top_k, counts[-1], counts[0], prefix_k, xk, P, splits, passes - 1, BITS=bits,
                                NC=CANDIDATES, SPLITS_P2=triton.next_power_of_2(splits))
-    _filter_pass_kernel[(RP, splits)](
-        x, temp, top_k, top_p, counts[0], prefix_p, norm, xk, norm, P, V, splits, 1, cap, MODE=LOG_NORM.value, PASS=0,
-        SHIFT=bits - 4, NORM_SPLITS_P2=1, SPLIT_SIZE=min(SPLIT, V), BLOCK_SIZE=min(BLOCK, triton.next_power_of_2(V)), num_warps=4,
-        **flags)
+    launch(LOG_NORM, 0, counts[0], prefix_p, norm, norm, 1, MASS_BLOCK)
     norm_in, norm_splits = norm, splits
     if tp.is_parallel:   # (max, sum) pairs combine by rescaling, not by a plain sum: over the ranks here
         m = tp.all_reduce(norm[..., 0].amax(1), torch.distributed.ReduceOp.MAX)
@@ -240,7 +278,8 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         norm_in, norm_splits = torch.stack([m, z], -1).reshape(RP, 1, 2), 1
         norm_in = torch.nn.functional.pad(norm_in, (0, CANDIDATES - 2))
     for i in range(passes):
-        run(MASS, i, masses[i - 1] if i else masses[0], prefix_p, masses[i], norm_in, norm_splits)
+        launch(MASS, i, masses[i - 1] if i else masses[0], prefix_p, masses[i], norm_in, norm_splits, MASS_BLOCK)
+        tp.all_reduce(masses[i])   # the masses over ranks
     out = torch.empty(RP, dtype=torch.float32, device=dev)
     _finish_kernel[(RP,)](temp, top_p, xk, masses[-1], masses[0], prefix_p, out, P, splits, passes - 1, cap,
                           **flags)
