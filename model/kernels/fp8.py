@@ -4,8 +4,7 @@ are float8_e4m3fn with one fp32 scale per output channel, and the scales meet in
 
     y[m, n] = (sum_k xq[m, k] Wq[n, k]) * sx[m] * sw[n],   rounded once to the output dtype
 
-  scaled_linear   a dense layer: cuBLAS's FP8 GEMM with row-wise scales (torch._scaled_mm), for a few
-                  rows as y^T = W x^T
+  scaled_linear   a dense layer: cuBLAS's FP8 GEMM with row-wise scales (torch._scaled_mm)
   scaled_grouped  the experts over rows sorted by expert: few rows per expert, our triton kernel (it reads
                   each pair's token row in place and streams the weights, where the batch is small and the
                   step is a weight read); many, CUTLASS's grouped FP8 GEMM (torch._scaled_grouped_mm)
@@ -26,18 +25,9 @@ from model.kernels.invariant import Tiles, make_tile_map
 FP8_GROUPED_TILES = Tiles(64, 128, 128, 8, 3)
 
 
-# rows up to which a dense layer computes y^T = W x^T instead (vLLM's swap_ab): cuBLAS's FP8 kernels tile
-# the rows in 64s and more, so a few rows would leave most of the GPU idle while the weight streams
-SWAP_ROWS = 64
-
-
 def scaled_linear(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                   out_dtype: torch.dtype) -> torch.Tensor:
     """xq [M, K] FP8, sx [M] fp32, weight [N, K] FP8, weight_scale [N, 1] fp32 -> [M, N] out_dtype."""
-    m = xq.shape[0]
-    if m <= SWAP_ROWS and m % 16 == 0:   # the FP8 GEMM takes dims in multiples of 16
-        return torch._scaled_mm(weight, xq.t(), scale_a=weight_scale.view(-1, 1), scale_b=sx.view(1, -1),
-                                out_dtype=out_dtype).t().contiguous()
     return torch._scaled_mm(xq, weight.t(), scale_a=sx.view(-1, 1), scale_b=weight_scale.view(1, -1),
                             out_dtype=out_dtype)
 
