@@ -181,9 +181,9 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
                     key = _logit_keys(x, BITS)
                     at = key >= low
                     # the digit, 16 for keys past the pass's range (they count in every candidate)
-                    digit = tl.minimum((key - low) >> SHIFT, 16).to(tl.int32)
+                    digits = tl.minimum((key - low) >> SHIFT, 16).to(tl.int32)
                     if MODE == COUNT:
-                        binned = tl.where(at & inside, digit + 1, 0)   # bin 0: counted in no candidate
+                        binned = tl.where(at & inside, digits + 1, 0)   # bin 0: counted in no candidate
                         if HISTOGRAM:
                             hist += tl.histogram(binned, BINS)
                         else:
@@ -191,7 +191,7 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
                     else:
                         v = decided_value(x, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
                         mass = tl.where(at & inside & (v >= thr), tl.exp(v - norm), 0.0)
-                        acc += tl.where(d[:, None] <= digit[None, :], mass[None, :], 0.0)
+                        acc += tl.where(d[:, None] <= digits[None, :], mass[None, :], 0.0)
     out = (n * splits + split) * NC
     if MODE == LOG_NORM:
         tl.store(out_ptr + out + d, tl.where(d == 0, m, tl.where(d == 1, z, 0.0)))
