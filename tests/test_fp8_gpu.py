@@ -122,14 +122,14 @@ def test_fp8_nemotron_logits_with_kernels_track_the_reference(tiny_fp8_nemotron)
 def test_fp8_engine_in_cuda_graphs(family, tiny_fp8_nemotron, tiny_fp8_gemma):
     """A warmed-up FP8 runner (the kernels inside its CUDA graphs) serves a mix of requests with no eager
     step and no capture, and its greedy tokens are those of the reference path for nearly every position
-    (a near-tie of these random tiny models may fall either way), its logprobs close where they agree."""
+    (a near-tie of these random tiny models may fall either way)."""
     from model.sampling.params import DecodeParams
     from workers.engine import Engine
 
     model_dir, vocab = (tiny_fp8_nemotron, 900) if family == "nemotron" else (tiny_fp8_gemma, 500)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(10, vocab, (n,), generator=gen).tolist() for n in (5, 17, 40)]
-    params = DecodeParams(max_tokens=32, temperature=0, logprobs=0, ignore_eos=True, seed=1)
+    params = DecodeParams(max_tokens=32, temperature=0, ignore_eos=True, seed=1)
 
     def run(warm: bool):
         with Engine(model_dir, num_slots=4, max_model_len=256, device="cuda", dtype="bfloat16") as e:
@@ -151,8 +151,5 @@ def test_fp8_engine_in_cuda_graphs(family, tiny_fp8_nemotron, tiny_fp8_gemma):
     same = total = 0
     for g, x in zip(got, expected):
         total += len(x.output)
-        agree = [i for i, (a, b) in enumerate(zip(g.output, x.output)) if a == b]
-        same += len(agree)
-        if x.logprobs:
-            assert max(abs(g.logprobs[i] - x.logprobs[i]) for i in agree[:8]) < 0.1
+        same += sum(a == b for a, b in zip(g.output, x.output))
     assert same >= 0.8 * total
