@@ -9,8 +9,10 @@ template for chat); fill what the request leaves out (max_tokens, the checkpoint
 call the Coordinator deployment through a handle, detokenize and apply stop strings (cancelling the
 request upstream when one hits), and answer as JSON or SSE (one chunk per committed block, drafts as
 SSE comments between them when asked, then `data: [DONE]`), count requests by status for /metrics,
-and serve the playground page. Every generation endpoint funnels into `_generate`; the coordinator
-handle is injected, so tests and other front ends can swap it.
+and serve the playground page; run a request's choices (`n`, a list of prompts) as one engine request
+each and answer them together (deployments/choices.py); tokenize and detokenize for vLLM's /tokenize and
+/detokenize. Every generation endpoint funnels into `_generate`; the coordinator handle is injected, so
+tests and other front ends can swap it.
 """
 # No `from __future__ import annotations`: FastAPI resolves endpoint annotations at runtime.
 import asyncio

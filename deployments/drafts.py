@@ -45,8 +45,9 @@ def draft_payload(tokenizer, draft: CanvasDraft, chunk_id: str, mask_id: int | N
         else:
             run.append(t)
     pieces.append(_decode(tokenizer, run))
-    return {"object": "draft", "id": chunk_id, "index": index, "canvas": draft.offset // canvas_length, "offset": draft.offset,
-            "step": draft.step, "tokens": [None if m else t for t, m in zip(draft.tokens, masked)],
+    return {"object": "draft", "id": chunk_id, "index": index, "canvas": draft.offset // canvas_length,
+            "offset": draft.offset, "step": draft.step,
+            "tokens": [None if m else t for t, m in zip(draft.tokens, masked)],
             "cells": [None if m else token_piece(tokenizer, t)[0] for t, m in zip(draft.tokens, masked)],
             "text": "".join(pieces), "known": draft.known, "revealed": draft.revealed}
 

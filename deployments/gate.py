@@ -7,7 +7,8 @@ it runs, and reads it whole first), in this order:
    Ray Serve's proxy reads that header or makes one (a UUID), passes it on, and echoes it in the
    answer's `X-Request-Id` header, errors included (ray.serve's RequestIdMiddleware): so the gate
    does not echo it too (a second header value);
-2. the API key, on `/v1/...`, `/tokenize` and `/detokenize` when the server has one: a 401 before anything about the body is said;
+2. the API key, on `/v1/...`, `/tokenize` and `/detokenize` when the server has one: a 401 before anything
+   about the body is said;
 3. a malformed `X-Request-Id` (not 1 to 256 visible ASCII characters): a 400 naming it;
 4. the body's size: a 413 at once when `Content-Length` is over `max_body_bytes`, else the body is read
    here, stopping with a 413 as soon as more than `max_body_bytes` has arrived (chunked uploads carry no

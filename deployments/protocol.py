@@ -194,7 +194,8 @@ TokenIds = Annotated[list[int], Field(min_length=1)]
 
 class CompletionRequest(_SamplingRequest):
     # one prompt (a string or a list of token ids) or several (a list of strings or of token-id lists)
-    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenIds],
+                                                                                    Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1, description=f"default: {COMPLETION_MAX_TOKENS}, or what the prompt "
                                    "leaves of the context if less")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
