@@ -9,19 +9,22 @@ template for chat); fill what the request leaves out (max_tokens, the checkpoint
 call the Coordinator deployment through a handle, detokenize and apply stop strings (cancelling the
 request upstream when one hits), and answer as JSON or SSE (one chunk per committed block, drafts as
 SSE comments between them when asked, then `data: [DONE]`), count requests by status for /metrics,
-and serve the playground page. Every generation endpoint funnels into `_generate`; the coordinator
-handle is injected, so tests and other front ends can swap it.
+and serve the playground page; run a request's choices (`n`, a list of prompts) as one engine request
+each and answer them together (deployments/choices.py); tokenize and detokenize for vLLM's /tokenize and
+/detokenize. Every generation endpoint funnels into `_generate`; the coordinator handle is injected, so
+tests and other front ends can swap it.
 """
 # No `from __future__ import annotations`: FastAPI resolves endpoint annotations at runtime.
 import asyncio
 import json
+import logging
 import secrets
 import time
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Annotated, AsyncIterator
 
 import ray
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.responses import FileResponse, PlainTextResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
@@ -33,6 +36,7 @@ from ray.serve.handle import DeploymentHandle
 # Counted through the module (`prom.REQUESTS`), never a name imported from it: deployments/errors.py says why.
 from deployments import metrics as prom
 from deployments.args import BATCH_INVARIANT_NEEDS_CUDA, AppArgs
+from deployments.choices import Choice, choice_params, gathered, merged
 from deployments.cluster import ClusterResources, resolve_device
 from deployments.drafts import draft_event, draft_payload
 from deployments.errors import ERROR_STATUS, APIError, add_handlers, error_body, validation_error_param
@@ -43,11 +47,13 @@ from deployments.prompts import PromptTokenizer
 from deployments.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                   ChatCompletionStreamResponse, ChatDelta, ChatResponseMessage, ChatStreamChoice,
                                   CompletionChoice, CompletionRequest, CompletionResponse,
-                                  CompletionStreamResponse, ModelCard, ModelList, Usage)
+                                  CompletionStreamResponse, DetokenizeRequest, DetokenizeResponse, ModelCard,
+                                  ModelList, TokenizeChatRequest, TokenizeRequest, TokenizeResponse, Usage)
 from model.checkpoint import Checkpoint, RunnerArgs
 from model.sampling.params import DecodeParams, ParamError
 from workers.serve_coordinator import REPLICA_BUNDLE, CoordinatorDeployment, placement_bundles, shard_bundle
 
+log = logging.getLogger("dllm.ingress")
 app = FastAPI(title="dllm-serve", docs_url=None, redoc_url=None)
 STATIC = Path(__file__).parent / "static"
 app.mount("/static", StaticFiles(directory=STATIC), name="static")   # the playground's script and style
@@ -96,6 +102,15 @@ def _last_line(err: Exception) -> str:
 def _sse(payload) -> str:
     data = payload if isinstance(payload, str) else payload.model_dump_json(exclude_none=False)
     return f"data: {data}\n\n"
+
+
+# Defined before the ingress class: the copy of the class that Serve ships to the replica did not find
+# a module function defined after it (a NameError there).
+def _cancel_all(choices: list[Choice]) -> None:
+    """Each choice's engine request ends (a no-op for one that finished); its slot is freed."""
+    for c in choices:
+        if c.stream is not None:
+            c.stream.cancel()
 
 
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
@@ -162,19 +177,44 @@ class OpenAIIngress:
     @app.post("/v1/completions", openapi_extra=WITH_REQUEST_ID)
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
-        if isinstance(body.prompt, str):
-            prompt = await self.prompts.text(body.prompt, "prompt")
-        else:
-            prompt = self.prompts.ids(body.prompt, "prompt")
-        return await self._generate("completion", body, request, prompt, "prompt", "max_tokens")
+        texts_or_ids = body.prompts
+        self._check_choices(len(texts_or_ids), body.n)
+        prompts = []
+        for i, p in enumerate(texts_or_ids):
+            param = "prompt" if len(texts_or_ids) == 1 else f"prompt[{i}]"
+            prompts.append((await self.prompts.text(p, param) if isinstance(p, str) else self.prompts.ids(p, param),
+                            param))
+        return await self._generate("completion", body, request, prompts, "max_tokens")
 
     @app.post("/v1/chat/completions", openapi_extra=WITH_REQUEST_ID)
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
+        self._check_choices(1, body.n)
         prompt = await self.prompts.chat(body.template_messages(), "messages")
         length = "max_tokens" if body.max_completion_tokens is None and body.max_tokens is not None else \
             "max_completion_tokens"
-        return await self._generate("chat", body, request, prompt, "messages", length)
+        return await self._generate("chat", body, request, [(prompt, "messages")], length)
+
+    @app.post("/tokenize", openapi_extra=WITH_REQUEST_ID)
+    async def tokenize(self, body: Annotated[TokenizeRequest, Body()]) -> TokenizeResponse:
+        """vLLM's: a prompt's token ids as /v1/completions tokenizes it, or messages' as the chat template
+        makes them for /v1/chat/completions (add_generation_prompt as given)."""
+        self._check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            tokens = await self.prompts.chat(body.template_messages(), "messages", body.add_generation_prompt,
+                                             body.continue_final_message, body.add_special_tokens)
+        else:
+            tokens = await self.prompts.text(body.prompt, "prompt", body.add_special_tokens)
+        strs = self.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=self.args.max_model_len, tokens=tokens,
+                                token_strs=strs)
+
+    @app.post("/detokenize", openapi_extra=WITH_REQUEST_ID)
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's: the text of token ids (special tokens included); an id outside the vocabulary is a 400
+        naming `tokens`."""
+        self._check_model(body.model)
+        return DetokenizeResponse(prompt=await self.prompts.detokenize(body.tokens, "tokens"))
 
     # ---- readiness --------------------------------------------------------------------------------
     async def _bounded(self, response, timeout_s: float, reason: str | None = None):
@@ -212,8 +252,9 @@ class OpenAIIngress:
         return ModelCard(id=self.model_name, created=self.created, max_model_len=self.args.max_model_len,
                          canvas_length=self.canvas_length)
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
+    def _check_model(self, model: str | None) -> None:
+        """`model` must be the served one (None: the served one, as /tokenize's optional field)."""
+        if model is not None and model != self.model_name:
             raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
                            "invalid_request_error", param="model", code="model_not_found")
 
@@ -231,11 +272,16 @@ class OpenAIIngress:
             return min(room, self.max_new_tokens or room)
         return default
 
-    async def _generate(self, kind: str, body, request: Request, prompt: list[int], prompt_param: str,
-                        length_param: str):
-        if not self.model_ready:   # a 503 now rather than a request held until a replica warms up
-            await self._ready_stats()
-            self.model_ready = True
+    def _check_choices(self, prompts: int, n: int) -> None:
+        """n within max_n, and prompts x n within max_choices: a 400 naming the field, before any work."""
+        if n > self.args.max_n:
+            raise APIError(400, f"n={n} is above this server's max_n={self.args.max_n}", param="n")
+        if prompts * n > self.args.max_choices:
+            raise APIError(400, f"{prompts} prompts x n={n} is {prompts * n} choices, above this server's "
+                                f"max_choices={self.args.max_choices}", param="n" if n > 1 else "prompt")
+
+    def _params(self, body, prompt: list[int], prompt_param: str) -> DecodeParams:
+        """The engine's parameters for one prompt of the request (a 400 naming the field at fault)."""
         if len(prompt) >= self.args.max_model_len:
             raise APIError(400, f"the prompt has {len(prompt)} tokens; this model allows at most "
                                 f"{self.args.max_model_len - 1} before output", param=prompt_param)
@@ -249,26 +295,49 @@ class OpenAIIngress:
                                 f"denoising_steps_limit={limit}", param="diffusion.max_denoising_steps")
         if params.top_k >= self.model_vocab_size:  # keeps every token: no filter, and no [.., top_k] buffers
             params = params.model_copy(update={"top_k": 0})
+        return params
+
+    async def _generate(self, kind: str, body, request: Request, prompts: list[tuple[list[int], str]],
+                        length_param: str):
+        """`prompts`: (token ids, the request's name for that prompt); each gets body.n choices, each its
+        own engine request (deployments/choices.py), answered together."""
+        if not self.model_ready:   # a 503 now rather than a request held until a replica warms up
+            await self._ready_stats()
+            self.model_ready = True
+        n = body.n
+        planned = [(prompt, param, self._params(body, prompt, param)) for prompt, param in prompts]
         # The response's id is the request's (X-Request-Id); the coordinator's adds a random suffix, so a
         # client reusing an id for requests in flight together gets them served, not refused as a clash.
         request_id = request.state.request_id
         response_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{request_id}"
-        stream = self.coordinator.options(stream=True).generate.remote(
-            prompt, params, f"{response_id}-{secrets.token_hex(6)}")
+        choices = [Choice(index=i * n + j, prompt=prompt, prompt_param=param, params=p,
+                          assembler=OutputAssembler(self.tokenizer, body.stop_strings))
+                   for i, (prompt, param, params) in enumerate(planned) for j, p in enumerate(choice_params(params, n))]
+        for c in choices:
+            c.stream = self.coordinator.options(stream=True).generate.remote(
+                c.prompt, c.params, f"{response_id}-{secrets.token_hex(6)}")
+        prompt_tokens = sum(len(prompt) for prompt, _ in prompts)   # once per prompt, whatever n (OpenAI's)
         try:
-            first = await self._next(stream)
+            await gathered([self._admitted(c, length_param) for c in choices])
+            if body.stream:
+                return StreamingResponse(self._sse_stream(kind, body, response_id, choices, prompt_tokens),
+                                         media_type="text/event-stream")
+            response = await self._collect(kind, body, response_id, choices, prompt_tokens)
+        except BaseException:   # one choice failed (or the client went away): none of them runs on
+            _cancel_all(choices)
+            raise
+        prom.REQUESTS.add(ENDPOINT[kind], 200)
+        return response
+
+    async def _admitted(self, choice: Choice, length_param: str) -> None:
+        """The coordinator's first output of a choice: its request was admitted (else its error)."""
+        try:
+            first = await self._next(choice.stream)
         except APIError as err:  # the engine names a completion's fields: this request's own names
-            err.param = {"max_tokens": length_param, "prompt": prompt_param}.get(err.param, err.param)
+            err.param = {"max_tokens": length_param, "prompt": choice.prompt_param}.get(err.param, err.param)
             raise
         if first is None:
             raise APIError(503, "the model stopped without an answer", "service_unavailable")
-        assembler = OutputAssembler(self.tokenizer, body.stop_strings)
-        if body.stream:
-            return StreamingResponse(self._sse_stream(kind, body, response_id, prompt, stream, assembler),
-                                     media_type="text/event-stream")
-        response = await self._collect(kind, body, response_id, prompt, stream, assembler)
-        prom.REQUESTS.add(ENDPOINT[kind], 200)
-        return response
 
     async def _next(self, stream):
         """The next output of the coordinator's stream, None at its end; errors become APIError."""
@@ -287,25 +356,34 @@ class OpenAIIngress:
             raise APIError(status, item["message"], type_, item["param"], headers)
         return item["output"]
 
-    async def _outputs(self, stream, assembler: OutputAssembler) -> AsyncIterator[tuple[Delta, object]]:
-        """Deltas of text until the request finishes or a stop string ends it (then upstream is cancelled)."""
+    async def _outputs(self, choice: Choice) -> AsyncIterator[tuple[Delta, object]]:
+        """Deltas of a choice's text until its request finishes or a stop string ends it (then upstream is
+        cancelled); the choice keeps its token count and its last output (usage)."""
         try:
             while True:
-                out = await self._next(stream)
+                out = await self._next(choice.stream)
                 if out is None:
-                    yield assembler.finish(), None
+                    yield choice.assembler.finish(), None
                     return
-                delta = assembler.add(out)
+                delta = choice.assembler.add(out)
+                choice.tokens += len(delta.token_ids)
+                choice.last = out
                 yield delta, out
                 if delta.finish_reason is not None:
                     return
         finally:
-            stream.cancel()  # no-op once finished; frees the slot when we stop early
+            choice.stream.cancel()  # no-op once finished; frees the slot when we stop early
 
-    async def _collect(self, kind: str, body, response_id: str, prompt: list[int], stream,
-                       assembler: OutputAssembler):
-        text, ids, lps, tops, offsets, reason, last = "", [], [], [], [], None, None
-        async for delta, out in self._outputs(stream, assembler):
+    async def _collect(self, kind: str, body, response_id: str, choices: list[Choice], prompt_tokens: int):
+        answers = await gathered([self._collect_choice(kind, body, c) for c in choices])
+        usage = self._usage(prompt_tokens, choices)
+        if kind == "completion":
+            return CompletionResponse(id=response_id, model=self.model_name, choices=answers, usage=usage)
+        return ChatCompletionResponse(id=response_id, model=self.model_name, choices=answers, usage=usage)
+
+    async def _collect_choice(self, kind: str, body, choice: Choice):
+        text, ids, lps, tops, offsets, reason = "", [], [], [], [], None
+        async for delta, _ in self._outputs(choice):
             text += delta.text
             ids += delta.token_ids
             offsets += delta.text_offsets
@@ -313,71 +391,82 @@ class OpenAIIngress:
                 lps += delta.logprobs
                 tops += delta.top
             reason = delta.finish_reason or reason
-            last = out or last
-        usage = self._usage(prompt, len(ids), last)
-        scored = last is not None and last.new_logprobs is not None
+        scored = choice.last is not None and choice.last.new_logprobs is not None
         if kind == "completion":
             logprobs = completion_logprobs(self.tokenizer, ids, lps, tops, offsets) if scored else None
-            choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=reason)
-            return CompletionResponse(id=response_id, model=self.model_name, choices=[choice], usage=usage)
+            return CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=reason)
         logprobs = chat_logprobs(self.tokenizer, ids, lps, tops) if scored and body.logprobs else None
-        choice = ChatChoice(index=0, message=ChatResponseMessage(content=text), logprobs=logprobs,
-                            finish_reason=reason)
-        return ChatCompletionResponse(id=response_id, model=self.model_name, choices=[choice], usage=usage)
+        return ChatChoice(index=choice.index, message=ChatResponseMessage(content=text), logprobs=logprobs,
+                          finish_reason=reason)
 
-    async def _sse_stream(self, kind: str, body, chunk_id: str, prompt: list[int], stream,
-                          assembler: OutputAssembler):
-        n_tokens, last, status = 0, None, 499   # until the stream ends: the client went away
+    async def _sse_stream(self, kind: str, body, chunk_id: str, choices: list[Choice], prompt_tokens: int):
+        """Every choice's chunks as they come (each carries its choice's index; each choice ends with its own
+        finish chunk), then the usage of them all; a failing choice ends the stream (and every choice's
+        request) with an error event."""
+        status = 499   # until the stream ends: the client went away
         try:
             if kind == "chat":
-                yield _sse(ChatCompletionStreamResponse(id=chunk_id, model=self.model_name, choices=[
-                    ChatStreamChoice(index=0, delta=ChatDelta(role="assistant", content=""))]))
+                for c in choices:
+                    yield _sse(ChatCompletionStreamResponse(id=chunk_id, model=self.model_name, choices=[
+                        ChatStreamChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))]))
             try:
-                async for delta, out in self._outputs(stream, assembler):
-                    last = out or last
-                    n_tokens += len(delta.token_ids)
-                    drafts = out.new_drafts if out is not None else []
-                    # drafts of the canvases this output committed go before its text, the next canvas's after
-                    early = sum(d.offset < len(assembler.token_ids) for d in drafts)
-                    for d in drafts[:early]:
-                        yield self._draft(chunk_id, d)
-                    if delta.text or delta.token_ids or delta.finish_reason:
-                        yield _sse(self._chunk(kind, body, chunk_id, delta))
-                    for d in drafts[early:] if delta.finish_reason is None else ():
-                        yield self._draft(chunk_id, d)
-            except APIError as err:  # after the stream began: report in band, then end it
+                async for event in merged([self._choice_events(kind, body, chunk_id, c) for c in choices]):
+                    yield event
+            except Exception as err:  # after the stream began: report in band, then end it
+                if not isinstance(err, APIError):
+                    log.exception("a stream failed")
+                    err = APIError(500, f"internal error: {type(err).__name__}", "internal_error")
                 status = err.status
                 yield _sse(json.dumps(error_body(err.message, err.type, err.param, err.code)))
                 yield _sse("[DONE]")
                 return
             if body.include_usage:
-                usage = self._usage(prompt, n_tokens, last)
                 cls = CompletionStreamResponse if kind == "completion" else ChatCompletionStreamResponse
-                yield _sse(cls(id=chunk_id, model=self.model_name, choices=[], usage=usage))
+                yield _sse(cls(id=chunk_id, model=self.model_name, choices=[],
+                               usage=self._usage(prompt_tokens, choices)))
             yield _sse("[DONE]")
             status = 200
         finally:
+            _cancel_all(choices)
             prom.REQUESTS.add(ENDPOINT[kind], status)
 
-    def _draft(self, chunk_id: str, draft) -> str:
-        return draft_event(draft_payload(self.tokenizer, draft, chunk_id, self.mask_id, self.canvas_length))
+    async def _choice_events(self, kind: str, body, chunk_id: str, choice: Choice) -> AsyncIterator[str]:
+        """One choice's SSE events: its chunks, and its drafts when asked."""
+        assembler = choice.assembler
+        async for delta, out in self._outputs(choice):
+            drafts = out.new_drafts if out is not None else []
+            # drafts of the canvases this output committed go before its text, the next canvas's after
+            early = sum(d.offset < len(assembler.token_ids) for d in drafts)
+            for d in drafts[:early]:
+                yield self._draft(chunk_id, d, choice.index)
+            if delta.text or delta.token_ids or delta.finish_reason:
+                yield _sse(self._chunk(kind, body, chunk_id, delta, choice.index))
+            for d in drafts[early:] if delta.finish_reason is None else ():
+                yield self._draft(chunk_id, d, choice.index)
 
-    def _chunk(self, kind: str, body, chunk_id: str, delta: Delta):
+    def _draft(self, chunk_id: str, draft, index: int) -> str:
+        return draft_event(draft_payload(self.tokenizer, draft, chunk_id, self.mask_id, self.canvas_length, index))
+
+    def _chunk(self, kind: str, body, chunk_id: str, delta: Delta, index: int):
         scored = delta.logprobs is not None
         if kind == "completion":
             logprobs = completion_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, delta.top,
                                            delta.text_offsets) if scored else None
             return CompletionStreamResponse(id=chunk_id, model=self.model_name, choices=[CompletionChoice(
-                text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason)])
+                index=index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason)])
         logprobs = chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, delta.top) \
             if scored and body.logprobs else None
         return ChatCompletionStreamResponse(id=chunk_id, model=self.model_name, choices=[ChatStreamChoice(
-            index=0, delta=ChatDelta(content=delta.text), logprobs=logprobs, finish_reason=delta.finish_reason)])
+            index=index, delta=ChatDelta(content=delta.text), logprobs=logprobs, finish_reason=delta.finish_reason)])
 
-    def _usage(self, prompt: list[int], completion_tokens: int, last) -> Usage:
-        if last is None or last.denoising_steps == 0 and last.canvases == 0:
-            return Usage.of(len(prompt), completion_tokens)
-        return Usage.of(len(prompt), completion_tokens, last.denoising_steps, last.canvases, self.canvas_length)
+    def _usage(self, prompt_tokens: int, choices: list[Choice]) -> Usage:
+        """Summed over the choices (the prompts' tokens once each)."""
+        completion_tokens = sum(c.tokens for c in choices)
+        steps = sum(c.last.denoising_steps for c in choices if c.last is not None)
+        canvases = sum(c.last.canvases for c in choices if c.last is not None)
+        if steps == 0 and canvases == 0:
+            return Usage.of(prompt_tokens, completion_tokens)
+        return Usage.of(prompt_tokens, completion_tokens, steps, canvases, self.canvas_length)
 
 
 def build_app(args: dict):

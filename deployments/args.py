@@ -51,6 +51,11 @@ class AppArgs(BaseModel):
     # CPUs each shard's bundle asks for on device=cpu: below 1, TP > 1 fits a machine with fewer cores
     # than tensor_parallel_size + 1 (the shards then share cores; each runs DLLM_SHARD_THREADS threads).
     shard_cpus: float = Field(1.0, gt=0)
+    # Each choice of a request (n per prompt, a list of prompts in /v1/completions) is its own engine
+    # request, holding its own slot: these bound what one request asks of the replica.
+    max_n: int = Field(8, ge=1, description="the largest n a request may ask (a 400 naming n beyond)")
+    max_choices: int = Field(64, ge=1, description="the most choices (prompts x n) one request may ask (a 400 "
+                             "beyond)")
     api_key: str | None = None
     # A body is held whole in memory to be parsed; a 128K-token prompt is ~1 MB of JSON.
     max_body_bytes: int = Field(8 * 2**20, ge=1, description="the largest request body taken (a 413 beyond), "

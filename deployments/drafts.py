@@ -11,6 +11,7 @@ EventSource), so clients that did not opt in see exactly the chunks they see wit
 client that wants drafts reads lines starting with `: draft ` (the playground does).
 
 A draft's fields:
+    index            the choice it belongs to, as the chunks' `index`
     canvas, offset   which canvas of the output (0-based) and the output index of its first position
     step             denoising steps of the canvas so far
     tokens           per position: the token id, null where masked
@@ -32,7 +33,9 @@ PLACEHOLDER = "\u2591"   # light shade: a masked position in a draft's text
 PREFIX = ": draft "
 
 
-def draft_payload(tokenizer, draft: CanvasDraft, chunk_id: str, mask_id: int | None, canvas_length: int) -> dict:
+def draft_payload(tokenizer, draft: CanvasDraft, chunk_id: str, mask_id: int | None, canvas_length: int,
+                  index: int = 0) -> dict:
+    """`index`: the choice the draft belongs to (a request with n > 1 or several prompts)."""
     masked = [t == mask_id for t in draft.tokens]
     pieces, run = [], []
     for t, m in zip(draft.tokens, masked):   # runs of unmasked tokens decode together (spacing, bytes)
@@ -42,8 +45,9 @@ def draft_payload(tokenizer, draft: CanvasDraft, chunk_id: str, mask_id: int | N
         else:
             run.append(t)
     pieces.append(_decode(tokenizer, run))
-    return {"object": "draft", "id": chunk_id, "canvas": draft.offset // canvas_length, "offset": draft.offset,
-            "step": draft.step, "tokens": [None if m else t for t, m in zip(draft.tokens, masked)],
+    return {"object": "draft", "id": chunk_id, "index": index, "canvas": draft.offset // canvas_length,
+            "offset": draft.offset, "step": draft.step,
+            "tokens": [None if m else t for t, m in zip(draft.tokens, masked)],
             "cells": [None if m else token_piece(tokenizer, t)[0] for t, m in zip(draft.tokens, masked)],
             "text": "".join(pieces), "known": draft.known, "revealed": draft.revealed}
 

@@ -7,7 +7,8 @@ it runs, and reads it whole first), in this order:
    Ray Serve's proxy reads that header or makes one (a UUID), passes it on, and echoes it in the
    answer's `X-Request-Id` header, errors included (ray.serve's RequestIdMiddleware): so the gate
    does not echo it too (a second header value);
-2. the API key, on `/v1/...` when the server has one: a 401 before anything about the body is said;
+2. the API key, on `/v1/...`, `/tokenize` and `/detokenize` when the server has one: a 401 before anything
+   about the body is said;
 3. a malformed `X-Request-Id` (not 1 to 256 visible ASCII characters): a 400 naming it;
 4. the body's size: a 413 at once when `Content-Length` is over `max_body_bytes`, else the body is read
    here, stopping with a 413 as soon as more than `max_body_bytes` has arrived (chunked uploads carry no
@@ -32,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from deployments import metrics as prom
 from deployments.errors import APIError, error_response
 
+KEYED_PATHS = ("/tokenize", "/detokenize")   # besides /v1/...: what api_key guards
 REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID_MAX = 256
 _REQUEST_ID = re.compile(rf"[\x21-\x7e]{{1,{REQUEST_ID_MAX}}}")
@@ -101,7 +103,7 @@ class RequestGate:
 
     @staticmethod
     def _refusal(settings: GateSettings, headers: Headers, path: str, well_formed: bool) -> APIError | None:
-        if settings.api_key is not None and (path == "/v1" or path.startswith("/v1/")):
+        if settings.api_key is not None and _needs_key(path):
             given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
                 return APIError(401, "invalid or missing API key", "authentication_error")
@@ -117,6 +119,11 @@ class RequestGate:
     async def _refuse(err: APIError, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         prom.REQUESTS.add(prom.endpoint_of(path), err.status)
         await error_response(err)(scope, receive, send)
+
+
+def _needs_key(path: str) -> bool:
+    """The API: /v1/..., and vLLM's /tokenize and /detokenize (not /health, /metrics or the playground)."""
+    return path == "/v1" or path.startswith("/v1/") or path in KEYED_PATHS
 
 
 def _too_large(limit: int) -> APIError:

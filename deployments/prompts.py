@@ -25,27 +25,40 @@ class PromptTokenizer:
         self.chars_per_token = 2 * max(longest, 1)
         self.max_chars = max_model_len * self.chars_per_token
 
-    async def text(self, text: str, param: str) -> list[int]:
+    async def text(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         self._check_chars(len(text), param)
-        return await asyncio.to_thread(lambda: list(self.tokenizer(text).input_ids))
+        return await asyncio.to_thread(
+            lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids))
 
-    async def chat(self, messages: list[dict[str, str]], param: str) -> list[int]:
-        """The chat template applied to `messages`; a 400 naming `param` if they do not fit the template."""
+    async def chat(self, messages: list[dict[str, str]], param: str, add_generation_prompt: bool = True,
+                   continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
+        """The chat template applied to `messages` (the text it renders, tokenized without adding special
+        tokens unless asked: the template writes them), as transformers' apply_chat_template(tokenize=True)
+        does; a 400 naming `param` if they do not fit the template."""
         self._check_chars(sum(len(v) for m in messages for v in m.values()), param)
 
         def apply() -> list[int]:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False))
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
         try:
             return await asyncio.to_thread(apply)
         except Exception as err:  # a template's own raise_exception: the messages do not fit it
             raise APIError(400, f"messages do not fit the model's chat template: {err}", param=param) from None
 
     def ids(self, ids: Sequence[int], param: str) -> list[int]:
+        """Token ids as given; a 400 naming `param` for any outside the vocabulary."""
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise APIError(400, f"prompt token ids {bad[:5]} are outside [0, {self.vocab_size})", param=param)
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                           param=param)
         return list(ids)
+
+    async def detokenize(self, ids: Sequence[int], param: str) -> str:
+        """The text of token ids, special tokens included (in a worker thread: a body may hold a million)."""
+        ids = self.ids(ids, param)
+        return await asyncio.to_thread(
+            lambda: self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     def _check_chars(self, chars: int, param: str) -> None:
         if chars > self.max_chars:

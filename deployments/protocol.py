@@ -18,7 +18,7 @@ import uuid
 from typing import Annotated, Any, Callable, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
-from pydantic import ValidationInfo, model_validator
+from pydantic import Discriminator, Tag, ValidationInfo, model_validator
 
 from deployments.errors import validation_error_param
 from model.sampling.params import MAX_LOGPROBS, DecodeParams, Mode, ParamError, RevealPolicy
@@ -117,7 +117,8 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    n: int = 1
+    # choices per prompt; the server's max_n bounds it (deployments/choices.py: each its own request)
+    n: int = Field(1, ge=1)
     stop_token_ids: list[int] | None = None
     user: Text | None = None  # accepted, ignored
     diffusion: DiffusionOptions | None = None
@@ -147,13 +148,6 @@ class _SamplingRequest(_Strict):
     def _needs_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
         if v is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
-        return v
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"n={v} is not supported; only n=1")
         return v
 
     @property
@@ -195,8 +189,13 @@ class _SamplingRequest(_Strict):
         return params
 
 
+TokenIds = Annotated[list[int], Field(min_length=1)]
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: Text | list[int]
+    # one prompt (a string or a list of token ids) or several (a list of strings or of token-id lists)
+    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenIds],
+                                                                                    Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1, description=f"default: {COMPLETION_MAX_TOKENS}, or what the prompt "
                                    "leaves of the context if less")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -206,14 +205,24 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and v and not all(isinstance(x, int) for x in v):
-            if len(v) != 1:
-                raise ValueError(f"batch prompts are not supported: send one prompt per request (got {len(v)})")
-            v = v[0]  # ["text"] or [[ids]]
-        if isinstance(v, list) and not v:
+    def _one_kind_not_empty(cls, v: Any) -> Any:
+        if not isinstance(v, list):
+            return v
+        if not v:
             raise ValueError("prompt must not be empty")
+        kinds = {int if isinstance(x, int) else type(x) for x in v}
+        if len(kinds) > 1:
+            raise ValueError("a prompt list holds one kind: token ids, strings, or token-id lists")
+        if kinds == {list} and not all(v):
+            raise ValueError(f"prompt[{[bool(x) for x in v].index(False)}] must not be empty")
         return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts in order: one for a string or a token-id list, else the list's entries."""
+        if isinstance(self.prompt, str) or all(isinstance(x, int) for x in self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
 
     @field_validator("echo")
     @classmethod
@@ -291,6 +300,52 @@ class ChatCompletionRequest(_SamplingRequest):
         """`default_max_tokens(mode)`: the rest of the context in `mode`, as vLLM's chat default."""
         k = (self.top_logprobs or 0) if self.logprobs else None
         return self._decode_params(defaults, self.max_output_tokens, default_max_tokens, k, "top_logprobs")
+
+
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's POST /tokenize with a prompt."""
+
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True   # e.g. BOS, as /v1/completions tokenizes a prompt
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """vLLM's POST /tokenize with messages: the chat template applied, as /v1/chat/completions does."""
+
+    model: Text | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False   # the template writes them
+    return_token_strs: bool = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _not_with_generation_prompt(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return v
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+def _tokenize_kind(v: Any) -> str:
+    return "Chat" if isinstance(v, dict) and "messages" in v else "Completion"
+
+
+# A body with `messages` is a chat one, any other a prompt one (so an error names that kind's fields only).
+TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("Completion")]
+                            | Annotated[TokenizeChatRequest, Tag("Chat")], Discriminator(_tokenize_kind)]
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's POST /detokenize."""
+
+    model: Text | None = None
+    tokens: list[int]
 
 
 # ---------------------------------------------------------------------------------------- responses
@@ -440,3 +495,14 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

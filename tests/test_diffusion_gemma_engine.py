@@ -104,3 +104,28 @@ def test_tensor_parallel_engine_equals_tp1(engine, tiny_gemma):
         assert a.output == b.output
         if a.logprobs:
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_temperature_scales_the_schedule_and_0_is_reproducible(engine):
+    """temperature tau runs the schedule from tau t_max down to tau t_min; none, 1 and 0 run it as set, 0 with
+    its noise from a fixed seed when the request gives none: the same request then gives the same tokens
+    whatever ran before it and whatever runs beside it (fp32)."""
+    p = prompt(5, 12)
+    base = dict(max_tokens=32, ignore_eos=True, t_min=0.4, t_max=0.8)
+
+    def out(**kw) -> list[int]:
+        return engine.generate([p], DecodeParams(**base | kw))[0].output
+
+    half = out(temperature=0.5, seed=7)
+    assert half == out(t_min=0.2, t_max=0.4, seed=7)
+    assert half != out(seed=7)
+    assert out(seed=7) == out(temperature=1.0, seed=7) == out(temperature=0, seed=7)
+    zero = out(temperature=0)
+    assert out() != out()   # no seed, a temperature above 0: drawn anew each time
+    assert zero == out(temperature=0) == out(seed=0)
+    beside = engine.generate([prompt(6, 20), p, prompt(7, 9)], [
+        DecodeParams(max_tokens=48, temperature=1.5, seed=1), DecodeParams(**base, temperature=0),
+        DecodeParams(max_tokens=16, logprobs=3)])
+    assert beside[1].output == zero
+    with pytest.raises(ValueError, match="temperature"):   # both ends would round to one fp32 value
+        DecodeParams(t_min=0.4, t_max=0.8, temperature=2e-45)

@@ -1,6 +1,7 @@
 """The Serve app over real HTTP with the real `openai` client, on a tiny checkpoint on CPU. (Shard
 faults: test_http_faults.py; overload and disconnects: test_http_load.py; bad input, each named by its
 `param`: test_http_fuzz.py.)"""
+import asyncio
 import concurrent.futures as cf
 import json
 import shutil
@@ -10,16 +11,59 @@ import time
 import httpx
 import openai
 import pytest
+from ray import serve
 
-from deployments.app import build_app
+from deployments.app import OpenAIIngress, build_app
+from deployments.args import AppArgs
+from deployments.choices import choice_seed
+from model.checkpoint import Checkpoint
 from model.tiny import write_diffusion_gemma
-from tests.serve_harness import assert_openai_error, serving, sse_payloads
+from tests.serve_harness import assert_openai_error, serving, sse_payloads, wait_until
+from workers.request import RequestOutput
 
 KEY = "test-key"
 MODEL = "tiny"
 TP1_BODY_LIMIT = 2**20
 # tp2's checkpoint: the same weights, a generation_config.json with sampling defaults (greedy) and a length
 TP2_GENERATION = {"bos_token_id": 1, "eos_token_id": 2, "temperature": 0.0, "max_new_tokens": 40}
+
+
+FAILING_SEED = 41   # the stand-in coordinator fails choice 1 of a request with this seed
+
+
+@serve.deployment(name="Coordinator")
+class StandInCoordinator:
+    """Answers like the real coordinator (an admission output, then a block), then holds each request open
+    (up to 60 s) without finishing it, except choice 1 of a request seeded FAILING_SEED, which then fails
+    as a shard failure does; it counts the requests whose stream the ingress cancelled."""
+
+    def __init__(self):
+        self.cancelled = 0
+
+    def stats(self) -> dict:
+        return {"state": "ready", "num_slots": 8, "free_slots": 8, "running": 0, "waiting": 0, "shard_failures": 0}
+
+    async def check_health(self) -> None:
+        pass
+
+    def cancellations(self) -> int:
+        return self.cancelled
+
+    async def generate(self, prompt, params, request_id=None):
+        ended = False
+        try:
+            yield {"output": RequestOutput(request_id)}
+            yield {"output": RequestOutput(request_id, new_tokens=[300, 301, 302])}
+            if params.seed == choice_seed(FAILING_SEED, 1):
+                await asyncio.sleep(0.5)
+                ended = True
+                yield {"error": "shard_failure", "message": "model shard failed: injected", "param": None}
+                return
+            await asyncio.sleep(60)
+            ended = True
+        finally:
+            if not ended:
+                self.cancelled += 1
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +76,9 @@ def server(tiny_nemotron, tmp_path_factory):
                                     "api_key": KEY, "max_body_bytes": TP1_BODY_LIMIT}),
                   "tp2": build_app({**common, "model": str(greedy), "max_num_seqs": 4, "tensor_parallel_size": 2,
                                     "max_body_bytes": 64 * 2**20}),
-                  "gemma": build_app({"model": str(gemma), "served_model_name": "gemma", "max_model_len": 256})}
+                  "gemma": build_app({"model": str(gemma), "served_model_name": "gemma", "max_model_len": 256}),
+                  "standin": OpenAIIngress.bind(StandInCoordinator.bind(), AppArgs(
+                      model=str(tiny_nemotron), served_model_name=MODEL).model_dump(), Checkpoint.read(tiny_nemotron))}
                  ) as port:
         yield port
 
@@ -325,3 +371,161 @@ def test_openai_defaults_at_their_no_op_values_are_accepted(server):
     with pytest.raises(openai.BadRequestError) as err:
         c.chat.completions.create(response_format={"type": "json_object"}, **kw)
     assert err.value.body["param"] == "response_format"
+
+
+# ---- n, prompt lists, /tokenize and /detokenize, DiffusionGemma's temperature ------------------------
+
+def test_n_choices_have_their_own_seeds_and_each_equals_its_seed_alone(server):
+    """n = 3 with a seed: three distinct choices, index 0..2, usage summed (the prompt counted once); the
+    same request answers the same; choice j equals the request sent alone with n = 1 and choice j's seed;
+    at temperature 0 masked diffusion's choices are equal."""
+    c = client(server)
+    kw = dict(model=MODEL, prompt="Choices", max_tokens=32, temperature=1.0, logprobs=1,
+              extra_body={"ignore_eos": True})
+    r = c.completions.create(n=3, seed=5, **kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and len({ch.text for ch in r.choices}) == 3
+    assert r.usage.completion_tokens == 3 * 32 and r.usage.total_tokens == r.usage.prompt_tokens + 96
+    assert r.usage.model_extra["diffusion"]["canvases"] == 3
+    with cf.ThreadPoolExecutor(4) as pool:
+        again = pool.submit(c.completions.create, n=3, seed=5, **kw)
+        alone = list(pool.map(lambda j: c.completions.create(n=1, seed=choice_seed(5, j), **kw), range(3)))
+        assert [ch.text for ch in again.result().choices] == [ch.text for ch in r.choices]
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    for j, a in enumerate(alone):
+        assert a.choices[0].text == r.choices[j].text
+        assert a.choices[0].logprobs.token_logprobs == pytest.approx(r.choices[j].logprobs.token_logprobs, abs=1e-4)
+    greedy = c.completions.create(n=2, **(kw | {"temperature": 0}))
+    assert greedy.choices[0].text == greedy.choices[1].text
+
+
+def test_prompt_lists_streamed_and_not_and_tokenize(server):
+    """A list of prompts with n = 2: choice index = prompt_index * n + j, in order; streamed, every chunk
+    carries its index, each choice ends with its own finish chunk, and the usage chunk sums them all;
+    the prompts as token-id lists (from /tokenize) answer the same."""
+    c = client(server)
+    texts = ["First prompt", "Second one"]
+    kw = dict(model=MODEL, max_tokens=40, n=2, seed=9, temperature=0.9, extra_body={"ignore_eos": True})
+    whole = c.completions.create(prompt=texts, **kw)
+    assert [ch.index for ch in whole.choices] == [0, 1, 2, 3]
+    tokenize = httpx.post(f"http://127.0.0.1:{server}/tp1/tokenize", headers=AUTH, timeout=60,
+                          json={"model": MODEL, "prompt": texts[1]}).json()
+    ids = [httpx.post(f"http://127.0.0.1:{server}/tp1/tokenize", headers=AUTH, json={"prompt": t}, timeout=60
+                      ).json()["tokens"] for t in texts]
+    assert tokenize == {"count": len(ids[1]), "max_model_len": 512, "tokens": ids[1], "token_strs": None}
+    assert whole.usage.prompt_tokens == len(ids[0]) + len(ids[1]) and whole.usage.completion_tokens == 4 * 40
+    by_ids = c.completions.create(prompt=ids, **kw)
+    assert [ch.text for ch in by_ids.choices] == [ch.text for ch in whole.choices]
+    # the prompts one by one: the same seeds, so the same choices
+    second = c.completions.create(prompt=texts[1], **kw)
+    assert [ch.text for ch in second.choices] == [ch.text for ch in whole.choices[2:]]
+
+    chunks = list(c.completions.create(prompt=texts, stream=True, stream_options={"include_usage": True}, **kw))
+    streamed, finishes = {}, {}
+    for ch in chunks[:-1]:
+        (choice,) = ch.choices
+        streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+        if choice.finish_reason is not None:
+            assert choice.index not in finishes
+            finishes[choice.index] = choice.finish_reason
+    assert streamed == {ch.index: ch.text for ch in whole.choices} and finishes == dict.fromkeys(range(4), "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 160
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+    chat = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2, seed=1,
+                                          max_completion_tokens=20, stream=True, extra_body={"ignore_eos": True}))
+    roles = [ch.choices[0].index for ch in chat if ch.choices[0].delta.role == "assistant"]
+    ends = [ch.choices[0].index for ch in chat if ch.choices[0].finish_reason is not None]
+    assert sorted(roles) == [0, 1] and sorted(ends) == [0, 1]
+
+
+def test_choice_limits(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model=MODEL, prompt="x", n=9)
+    assert err.value.body["param"] == "n" and "max_n=8" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model=MODEL, prompt=["x"] * 9, n=8)
+    assert err.value.body["param"] == "n" and "max_choices=64" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model=MODEL, prompt=[[1, 300], [1] + [300] * 600])
+    assert err.value.body["param"] == "prompt[1]"
+
+
+def test_tokenize_and_detokenize(server):
+    """vLLM's shapes: a chat's tokens are what /v1/chat/completions counts as its prompt; detokenize gives
+    the text back; the key is asked first; bad token ids are a 400 naming `tokens`."""
+    base = f"http://127.0.0.1:{server}/tp1"
+    messages = [{"role": "user", "content": "Say hi"}]
+    chat = httpx.post(f"{base}/tokenize", headers=AUTH, timeout=60, json={"messages": messages}).json()
+    used = client(server).chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=4)
+    assert chat["count"] == len(chat["tokens"]) == used.usage.prompt_tokens and chat["max_model_len"] == 512
+    gemma = f"http://127.0.0.1:{server}/gemma/tokenize"   # its template writes a generation prompt
+    turn, bare = (httpx.post(gemma, timeout=60, json={"messages": messages, "add_generation_prompt": g,
+                                                       "return_token_strs": True}).json() for g in (True, False))
+    assert bare["count"] < turn["count"] and bare["tokens"] == turn["tokens"][:bare["count"]]
+    assert "".join(turn["token_strs"][bare["count"]:]).replace("\u2581", " ").startswith("<start_of_turn>")
+    text = httpx.post(f"{base}/tokenize", headers=AUTH, timeout=60, json={"prompt": "Hello world",
+                                                                        "add_special_tokens": False}).json()
+    back = httpx.post(f"{base}/detokenize", headers=AUTH, timeout=60, json={"model": MODEL, "tokens": text["tokens"]})
+    assert back.json() == {"prompt": "Hello world"}
+    for path, body, status, param in [
+            ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"), ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+            ("/detokenize", {"tokens": "1"}, 400, "tokens"), ("/tokenize", {"prompt": "x", "model": "nope"}, 404,
+                                                              "model"),
+            ("/tokenize", {"messages": messages, "continue_final_message": True}, 400, "continue_final_message"),
+            ("/tokenize", {"prompt": "x", "messages": messages}, 400, "prompt")]:
+        r = httpx.post(base + path, headers=AUTH, json=body, timeout=60)
+        assert_openai_error(r.json(), status, param)
+    for path in ("/tokenize", "/detokenize"):
+        r = httpx.post(base + path, json={"bogus": 1}, timeout=60)   # no key: 401 whatever the body
+        assert r.status_code == 401, r.text
+
+
+def test_diffusion_gemma_temperature_over_http(server):
+    """temperature 0 without a seed: the same text streamed or not, alone or among concurrent neighbours;
+    another temperature scales the schedule (0.5 = t_min, t_max halved: the tiny checkpoint's 0.4, 0.8);
+    with n = 2 at temperature 0 two distinct choices, the same every time."""
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{server}/gemma/v1", api_key="x", max_retries=0, timeout=120)
+    kw = dict(model="gemma", prompt="Reproducible", max_tokens=32, temperature=0, extra_body={"ignore_eos": True})
+    alone = c.completions.create(**kw).choices[0].text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kw) if ch.choices)
+    neighbours = [dict(model="gemma", prompt=f"neighbour {i}", max_tokens=16 + 16 * i, temperature=1.0,
+                       extra_body={"ignore_eos": True}) for i in range(3)]
+    with cf.ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(c.completions.create, **n) for n in neighbours]
+        beside = pool.submit(c.completions.create, **kw).result().choices[0].text
+        [f.result() for f in others]
+    assert streamed == alone == beside
+    half = dict(kw, temperature=0.5, seed=3)
+    scaled = dict(kw, temperature=None, seed=3, extra_body={"ignore_eos": True, "diffusion": {"t_min": 0.2,
+                                                                                             "t_max": 0.4}})
+    assert c.completions.create(**half).choices[0].text == c.completions.create(**scaled).choices[0].text
+    assert c.completions.create(**half).choices[0].text != c.completions.create(**dict(half, temperature=1.0)
+                                                                               ).choices[0].text
+    two = [ch.text for ch in c.completions.create(n=2, **kw).choices]
+    assert two[0] == alone and two[1] != alone and [ch.text for ch in c.completions.create(n=2, **kw).choices] == two
+
+
+def test_a_failing_choice_ends_the_stream_and_cancels_the_others(server):
+    """Choice 1 of 3 fails after the stream began: the stream ends with an error event and [DONE] (never a
+    hang), and the other two choices' requests are cancelled; unstreamed, a 503 and the same; a client
+    that goes away mid-stream cancels every choice."""
+    base = f"http://127.0.0.1:{server}/standin/v1/completions"
+    coordinator = serve.get_deployment_handle("Coordinator", app_name="standin")
+    cancellations = lambda: coordinator.cancellations.remote().result(timeout_s=30)  # noqa: E731
+    body = {"model": MODEL, "prompt": "x", "n": 3, "seed": FAILING_SEED, "max_tokens": 64}
+    start = time.monotonic()
+    r = httpx.post(base, json=body | {"stream": True}, timeout=30)
+    payloads = sse_payloads(r.text.splitlines())
+    assert time.monotonic() - start < 20 and payloads[-1] == "[DONE]"
+    assert_openai_error(json.loads(payloads[-2]), 503)
+    assert {json.loads(p)["choices"][0]["index"] for p in payloads[:-2]} == {0, 1, 2}
+    wait_until(lambda: cancellations() == 2, 20, "the other two choices to be cancelled")
+    r = httpx.post(base, json=body, timeout=30)
+    assert_openai_error(r.json(), 503)
+    wait_until(lambda: cancellations() == 4, 20, "the other two choices to be cancelled")
+    with httpx.stream("POST", base, json=body | {"seed": 1, "n": 2, "stream": True}, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break   # the first chunk, then hang up
+    wait_until(lambda: cancellations() == 6, 20, "both choices to be cancelled after the client left")

@@ -1,9 +1,10 @@
 """Bad input over real HTTP, for both families: a table of known-bad requests (out-of-range and
 non-finite numbers, oversized prompts and bodies, token ids out of range, huge integers, deep JSON,
 non-UTF-8 and non-JSON bodies, lone surrogates, wrong content types, OpenAI fields at values not
-implemented, malformed X-Request-Id headers) and schemathesis-generated requests from the served
-OpenAPI schema of /v1/completions, /v1/chat/completions and /v1/models/{model_id} (schema-violating
-and valid ones).
+implemented, malformed X-Request-Id headers, n and prompt lists beyond the servers' bounds, bad
+/tokenize and /detokenize bodies) and schemathesis-generated requests from the served OpenAPI schema of
+/v1/completions, /v1/chat/completions, /v1/models/{model_id}, /tokenize and /detokenize
+(schema-violating and valid ones).
 No response is a 5xx; every 4xx has OpenAI's error shape, and `param` names the field whenever the
 body is a JSON object; no input fails a shard; the server answers normally afterwards."""
 import collections
@@ -18,7 +19,8 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from deployments.app import build_app
-from deployments.protocol import ChatCompletionRequest, CompletionRequest
+from deployments.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                                  TokenizeCompletionRequest)
 from model.tiny import write_diffusion_gemma
 from tests.serve_harness import assert_openai_error, health, serving
 
@@ -29,15 +31,18 @@ BODY_LIMIT = 2 * 2**20   # the servers' max_body_bytes (the 1 MB prompt below fi
 # per app, path and generation mode (8 combinations): a fixed sequence in `make test` (a regression
 # suite that cannot pass or fail by luck), fresh random ones under -m reliability
 FUZZ_EXAMPLES = {"fixed": 100, "random": 1000}
+MAX_N, MAX_CHOICES = 3, 6   # the servers' max_n and max_choices: a valid random request stays seconds long
 REQUEST_FIELDS = {"/v1/completions": set(CompletionRequest.model_fields),
-                  "/v1/chat/completions": set(ChatCompletionRequest.model_fields)}
+                  "/v1/chat/completions": set(ChatCompletionRequest.model_fields),
+                  "/tokenize": set(TokenizeCompletionRequest.model_fields) | set(TokenizeChatRequest.model_fields),
+                  "/detokenize": set(DetokenizeRequest.model_fields)}
 tally = collections.Counter()  # the figures the module reports at its end
 
 
 @pytest.fixture(scope="module")
 def server(tiny_nemotron, tmp_path_factory):
     common = dict(served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, max_queue=64,
-                  denoising_steps_limit=STEPS_LIMIT, max_body_bytes=BODY_LIMIT)
+                  denoising_steps_limit=STEPS_LIMIT, max_body_bytes=BODY_LIMIT, max_n=MAX_N, max_choices=MAX_CHOICES)
     gemma = write_diffusion_gemma(tmp_path_factory.mktemp("tiny-gemma-fuzz"), seed=0)
     with serving({"nemotron": build_app(dict(common, model=str(tiny_nemotron))),
                   "gemma": build_app(dict(common, model=str(gemma)))}) as port:
@@ -65,7 +70,11 @@ def check_response(r: httpx.Response, path: str, body, headers: dict | None = No
             assert head in REQUEST_FIELDS[path] or head in body or head.lower() in sent, error
         return
     assert r.status_code == 200
-    if isinstance(body, dict) and body.get("stream"):
+    if path == TOKENIZE:
+        assert r.json()["count"] == len(r.json()["tokens"]), r.text[:300]
+    elif path == DETOKENIZE:
+        assert isinstance(r.json()["prompt"], str), r.text[:300]
+    elif isinstance(body, dict) and body.get("stream"):
         assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text[-300:]
     else:
         assert r.json()["choices"], r.text[:300]
@@ -73,7 +82,7 @@ def check_response(r: httpx.Response, path: str, body, headers: dict | None = No
 
 # ---- known-bad requests --------------------------------------------------------------------------
 
-C, CHAT = "/v1/completions", "/v1/chat/completions"
+C, CHAT, TOKENIZE, DETOKENIZE = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
 OK = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
 OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -90,7 +99,41 @@ BAD = [
     ("top_k<-1", C, OK | {"top_k": -5}, None, 400, "top_k"),
     ("logprobs>20", C, OK | {"logprobs": 21}, None, 400, "logprobs"),
     ("max_tokens=0", C, OK | {"max_tokens": 0}, None, 400, "max_tokens"),
-    ("n=2", C, OK | {"n": 2}, None, 400, "n"),
+    # choices: n up to max_n, prompts x n up to max_choices, prompt lists of one kind
+    ("n=0", C, OK | {"n": 0}, None, 400, "n"),
+    ("n > max_n", C, OK | {"n": MAX_N + 1}, None, 400, "n"),
+    ("n > max_n, chat", CHAT, OK_CHAT | {"n": MAX_N + 1}, None, 400, "n"),
+    ("n 10^30", C, OK | {"n": 10**30}, None, 400, "n"),
+    ("prompts x n > max_choices", C, OK | {"prompt": ["a", "b", "c"], "n": MAX_N}, None, 400, "n"),
+    ("prompts > max_choices", C, OK | {"prompt": [[1, 300]] * (MAX_CHOICES + 1)}, None, 400, "prompt"),
+    ("prompt list of mixed kinds", C, OK | {"prompt": ["a", [1, 2]]}, None, 400, "prompt"),
+    ("prompt list with an empty token list", C, OK | {"prompt": [[1], []]}, None, 400, "prompt"),
+    ("prompt list, one too long", C, OK | {"prompt": ["hi", "hello " * 200]}, None, 400, "prompt[1]"),
+    ("prompt list, a token id = vocab", C, OK | {"prompt": [[1, 5], [1, 997]]}, None, 400, "prompt[1]"),
+    ("prompt list, a lone surrogate", C, raw_json('{"model": "tiny", "prompt": ["a", "\\ud800"]}'), None, 400,
+     "prompt"),
+    # /tokenize and /detokenize (vLLM's)
+    ("tokenize: prompt not a string", TOKENIZE, {"prompt": 5}, None, 400, "prompt"),
+    ("tokenize: prompt and messages", TOKENIZE, {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, None,
+     400, "prompt"),
+    ("tokenize: unknown field", TOKENIZE, {"prompt": "x", "bogus": 1}, None, 400, "bogus"),
+    ("tokenize: unknown model", TOKENIZE, {"prompt": "x", "model": "nope"}, None, 404, "model"),
+    ("tokenize: 1 MB prompt", TOKENIZE, {"prompt": "x" * 2**20}, None, 400, "prompt"),
+    ("tokenize: messages empty", TOKENIZE, {"messages": []}, None, 400, "messages"),
+    ("tokenize: a message role", TOKENIZE, {"messages": [{"role": "tool", "content": "x"}]}, None, 400,
+     "messages[0].role"),
+    ("tokenize: continue_final_message with add_generation_prompt", TOKENIZE, {
+        "messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, None, 400,
+     "continue_final_message"),
+    ("tokenize: a lone surrogate", TOKENIZE, raw_json('{"prompt": "\\udfff"}'), None, 400, "prompt"),
+    ("tokenize: not JSON", TOKENIZE, b"prompt=x", None, 400, None),
+    ("detokenize: token id = vocab", DETOKENIZE, {"tokens": [1, 997]}, None, 400, "tokens"),
+    ("detokenize: token id < 0", DETOKENIZE, {"tokens": [-1]}, None, 400, "tokens"),
+    ("detokenize: token id 10^30", DETOKENIZE, {"tokens": [10**30]}, None, 400, "tokens"),
+    ("detokenize: tokens a string", DETOKENIZE, {"tokens": "1 2"}, None, 400, "tokens"),
+    ("detokenize: tokens missing", DETOKENIZE, {"model": "tiny"}, None, 400, "tokens"),
+    ("detokenize: body over max_body_bytes", DETOKENIZE, b'{"tokens": [' + b"1," * BODY_LIMIT + b'1]}', None, 413,
+     None),
     ("seed<0", C, OK | {"seed": -1}, None, 400, "seed"),
     ("seed=2^63", C, OK | {"seed": 2**63}, None, 400, "seed"),
     ("unknown field", C, OK | {"bogus_field": 1}, None, 400, "bogus_field"),
@@ -288,6 +331,27 @@ def test_requests_generated_from_the_served_schema(server, app, path, mode, draw
         body = case.body if isinstance(case.body, (dict, list, str, int, float, bool)) else None
         check_response(case.call(base_url=base, timeout=60), path, body, case.headers)
         tally[f"generated {mode.value}"] += 1
+
+    run()
+
+
+@pytest.mark.parametrize("draw", ["fixed", pytest.param("random", marks=pytest.mark.reliability)])
+@pytest.mark.parametrize("mode", [GenerationMode.NEGATIVE, GenerationMode.POSITIVE], ids=["invalid", "valid"])
+@pytest.mark.parametrize("path", [TOKENIZE, DETOKENIZE])
+def test_tokenizer_requests_generated_from_the_served_schema(server, path, mode, draw):
+    """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize, on the family whose
+    template writes a generation prompt: never a 5xx; a 4xx names the field."""
+    base = f"http://127.0.0.1:{server}/gemma"
+    schema = schemathesis.openapi.from_dict(httpx.get(f"{base}/openapi.json", timeout=30).json())
+    operation = schema[path]["POST"]
+
+    @settings(max_examples=FUZZ_EXAMPLES[draw], deadline=None, database=None, derandomize=draw == "fixed",
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(case=st.tuples(operation.as_strategy(generation_mode=mode), st.integers(0, 3).map(bool)).map(_served_model))
+    def run(case):
+        body = case.body if isinstance(case.body, (dict, list, str, int, float, bool)) else None
+        check_response(case.call(base_url=base, timeout=60), path, body, case.headers)
+        tally[f"generated {path} {mode.value}"] += 1
 
     run()
 

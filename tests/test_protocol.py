@@ -41,12 +41,13 @@ def _error(cls, body):
 @pytest.mark.parametrize("extra, param", [
     ({"temperature": -1}, "temperature"), ({"temperature": 2.5}, "temperature"), ({"top_p": 0}, "top_p"),
     ({"top_k": -2}, "top_k"), ({"seed": -1}, "seed"), ({"logprobs": 21}, "logprobs"),
-    ({"max_tokens": 0}, "max_tokens"), ({"n": 2}, "n"), ({"echo": True}, "echo"),
+    ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"), ({"echo": True}, "echo"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"temprature": 0.5}, "temprature"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"diffusion": {"threshold": 0}}, "diffusion.threshold"),
     ({"diffusion": {"mode": "x"}}, "diffusion.mode"), ({"diffusion": {"polcy": "leftmost"}}, "diffusion.polcy"),
     ({"diffusion": {"max_denoising_steps": 0}}, "diffusion.max_denoising_steps"),
-    ({"prompt": ["one", "two"]}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": 3}, "prompt"),
+    ({"prompt": ["one", 2]}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": 3}, "prompt"),
+    ({"prompt": [[1], []]}, "prompt"), ({"prompt": [[1], "a"]}, "prompt"), ({"prompt": ["a", "\ud800"]}, "prompt"),
     # what Python's json reads but the engine must not see: NaN, Infinity, lone surrogates; any unknown key
     ({"temperature": math.nan}, "temperature"), ({"top_p": math.inf}, "top_p"),
     ({"diffusion": {"entropy_bound": math.inf}}, "diffusion.entropy_bound"), ({"prompt": "a\ud800"}, "prompt"),
@@ -59,7 +60,8 @@ def test_completion_errors_name_the_field(extra, param):
 
 
 def test_completion_error_messages():
-    assert "batch prompts are not supported" in _error(CompletionRequest, COMPLETION | {"prompt": ["a", "b"]})[0]
+    assert "one kind" in _error(CompletionRequest, COMPLETION | {"prompt": ["a", [1]]})[0]
+    assert "prompt[1] must not be empty" in _error(CompletionRequest, COMPLETION | {"prompt": [[1], []]})[0]
     assert _error(CompletionRequest, COMPLETION | {"temprature": 1})[0] == "temprature: unknown field"
     assert "stream" in _error(CompletionRequest, COMPLETION | {"stream_options": {"include_usage": True}})[0]
     message, param = _error(CompletionRequest, {"prompt": "x", "top_p": 0})  # model missing, top_p bad
@@ -70,7 +72,7 @@ def test_completion_error_messages():
     ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": []}, "messages"), ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
-    ({"stream": False, "stream_options": {}}, "stream_options"), ({"n": 3}, "n"), ({"temperature": 3}, "temperature"),
+    ({"stream": False, "stream_options": {}}, "stream_options"), ({"n": -1}, "n"), ({"temperature": 3}, "temperature"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"), ({"echo": False}, "echo"),
     ({"diffusion": {"entropy_bound": 0}}, "diffusion.entropy_bound"),
 ])
@@ -93,8 +95,9 @@ def test_fastapi_error_lists():
 
 
 def test_requests_parse_and_normalise():
-    for prompt, want in [("hi", "hi"), ([5, 6], [5, 6]), (["hi"], "hi"), ([[5, 6]], [5, 6])]:
-        assert CompletionRequest.model_validate(COMPLETION | {"prompt": prompt}).prompt == want
+    for prompt, want in [("hi", ["hi"]), ([5, 6], [[5, 6]]), (["hi"], ["hi"]), ([[5, 6]], [[5, 6]]),
+                         (["a", "b"], ["a", "b"]), ([[5], [6, 7]], [[5], [6, 7]])]:
+        assert CompletionRequest.model_validate(COMPLETION | {"prompt": prompt}).prompts == want
     nulls = {k: None for k in ("temperature", "top_p", "stop", "stream_options", "logprobs", "n", "max_tokens",
                                "stream", "echo", "user", "diffusion")}
     req = CompletionRequest.model_validate(COMPLETION | nulls)  # null means "use the default"
@@ -287,9 +290,9 @@ class _CountingTokenizer:
     def get_vocab(self):
         return self.tok.get_vocab()
 
-    def __call__(self, text):
+    def __call__(self, text, **kw):
         self.chars += len(text)
-        return self.tok(text)
+        return self.tok(text, **kw)
 
     def apply_chat_template(self, messages, **kw):
         self.chars += sum(len(m["content"]) for m in messages)

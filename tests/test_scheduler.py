@@ -4,7 +4,7 @@ import pytest
 
 from model.protocol import Block, Command, Events, NewSlot, StepCounters
 from model.sampling.params import DecodeParams, ParamError
-from workers.scheduler import QueueFull, Scheduler, derived_metrics
+from workers.scheduler import TEMPERATURE_0_SEED, QueueFull, Scheduler, derived_metrics
 
 EOS = 2
 C = 32
@@ -262,6 +262,18 @@ def test_seeds_explicit_kept_else_drawn_from_scheduler_seed():
     assert make(seed=124).add("r", [1], params()).seed != drawn[0]
     command = s.schedule()
     assert [n.seed for n in command.admit] == [5, drawn[0]]
+
+
+def test_temperature_0_without_a_seed_gets_the_fixed_seed():
+    """Whatever was drawn before it: a request at temperature 0 is reproducible (DiffusionGemma's canvases
+    start as noise at any temperature); one that gives a seed keeps it."""
+    s = make(seed=123, max_queue=8)
+    first = s.add("a", [1], params(temperature=0)).seed
+    drawn = s.add("b", [1], params()).seed
+    assert first == s.add("c", [1], params(temperature=0)).seed == TEMPERATURE_0_SEED
+    assert drawn == random.Random(123).randrange(2**63)   # the draws are as before, unaffected
+    assert s.add("d", [1], params(temperature=0, seed=9)).seed == 9
+    assert s.add("e", [1], params(mode="linear_spec")).seed == TEMPERATURE_0_SEED   # greedy by definition
 
 
 def test_schedule_none_when_idle_and_release_only_command():

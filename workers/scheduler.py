@@ -26,6 +26,13 @@ from model.sampling.params import DecodeParams, ParamError
 from workers.request import Request, RequestOutput
 
 
+# The seed of a request at temperature 0 that gives none, so that its output never depends on when it came
+# or what ran before it: masked diffusion draws no noise at temperature 0 anyway, while DiffusionGemma's
+# canvases start as uniform noise and are renoised at any temperature, and this makes that noise the same
+# every time (README, "temperature").
+TEMPERATURE_0_SEED = 0
+
+
 class QueueFull(Exception):
     """The bounded waiting queue is full; the caller should retry later (HTTP 429/503, Retry-After)."""
 
@@ -94,7 +101,10 @@ class Scheduler:
                 f"exceeds max_model_len={self.max_model_len}", "max_tokens")
         if len(self._waiting) - self.free_slots >= self.max_queue:
             raise QueueFull(f"{len(self._waiting)} requests waiting (max_queue={self.max_queue})")
-        seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
+        if params.seed is not None:
+            seed = params.seed
+        else:
+            seed = TEMPERATURE_0_SEED if params.effective_temperature == 0 else self._rng.randrange(2**63)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         request = Request(request_id, prompt, params, seed, stop_ids)
         self._waiting.append(request)

@@ -41,8 +41,6 @@ class DecodeParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     mode: Mode = "diffusion"
-    # None: 0 (greedy) for linear_spec, which is greedy by definition; 1.0 otherwise (OpenAI's default).
-    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_k: int = Field(0, ge=0, le=MAX_COUNT, description="0 disables")
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**63)
@@ -61,6 +59,10 @@ class DecodeParams(BaseModel):
     t_max: float | None = Field(None, gt=0, le=MAX_TEMPERATURE)
     stability_threshold: int | None = Field(None, ge=0, le=MAX_COUNT)
     confidence_threshold: float | None = Field(None, ge=0, le=MAX_ENTROPY)
+    # None: 0 (greedy) for linear_spec, which is greedy by definition; 1.0 otherwise (OpenAI's default).
+    # A uniform-noise family scales its schedule by it (schedule_scale). Declared after t_min and t_max,
+    # so that its check sees them.
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     seed_first_position: bool = Field(True, description="SPEC 3(a): canvas position 0 from the AR prediction")
     eos_early_stop: bool = Field(True, description="SPEC 3(b): stop denoising at an EOS with no mask before it")
@@ -89,11 +91,31 @@ class DecodeParams(BaseModel):
             raise ValueError(f"t_max={v} must be > t_min={t_min}")
         return v
 
+    @field_validator("temperature")
+    @classmethod
+    def _keeps_the_schedule(cls, v: float | None, info: ValidationInfo) -> float | None:
+        """A scaled schedule (schedule_scale) still has t_max > t_min in fp32: a temperature so small that
+        both ends round to one fp32 value would leave no schedule."""
+        t_min, t_max = info.data.get("t_min"), info.data.get("t_max")
+        if v and t_min is not None and t_max is not None and fp32(v * t_max) <= fp32(v * t_min):
+            raise ValueError(f"temperature={v} scales the schedule t_min={t_min}, t_max={t_max} to ends that are "
+                             "equal in fp32, the precision the engine computes in")
+        return v
+
     @property
     def effective_temperature(self) -> float:
         if self.temperature is not None:
             return self.temperature
         return 0.0 if self.mode == "linear_spec" else 1.0
+
+    @property
+    def schedule_scale(self) -> float:
+        """What a uniform-noise family (DiffusionGemma) multiplies its temperature schedule's t_min and t_max
+        by: the request's temperature, and 1 (the schedule as set) when it gives none or 0. There a
+        canvas starts as uniform noise and is renoised at any temperature, so 0 cannot mean "no noise";
+        it means "reproducible": the noise then comes from a fixed seed unless the request gives one
+        (workers/scheduler.py)."""
+        return self.temperature or 1.0
 
     @property
     def reveal_entropy_bound(self) -> float:

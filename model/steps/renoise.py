@@ -48,10 +48,12 @@ class RenoiseCanvasStep:
         self.update = CompiledUpdate(self._update, compile_updates_enabled(dev))
 
     def knobs(self, params: DecodeParams) -> dict:
-        """The request's schedule knobs over generation_config.json's; ValueError naming a bad one."""
+        """The request's schedule knobs over generation_config.json's, the schedule's ends scaled by the
+        request's temperature (DecodeParams.schedule_scale); ValueError naming a bad one."""
         d = self.defaults
         pick = lambda value, default: default if value is None else value  # noqa: E731
-        knobs = dict(t_min=pick(params.t_min, d.t_min), t_max=pick(params.t_max, d.t_max),
+        scale = params.schedule_scale
+        knobs = dict(t_min=scale * pick(params.t_min, d.t_min), t_max=scale * pick(params.t_max, d.t_max),
                      stability=pick(params.stability_threshold, d.stability_threshold),
                      confidence=pick(params.confidence_threshold, d.confidence_threshold),
                      gamma=pick(params.entropy_bound, d.entropy_bound))
