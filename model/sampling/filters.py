@@ -16,7 +16,7 @@ Each pass counts (or sums the probability of) the entries at or above 16 candida
 slice, one SUM all-reduce makes the counts global, and the largest candidate that still reaches the
 target fixes the next four bits. No sort, no gather of candidates across ranks: every rank finds the
 same threshold a single rank would. The passes here are torch's (CPU); model/kernels/filters.py runs
-the same search in triton on CUDA, over the raw logits' 16-bit keys.
+the same search in triton on CUDA, over the raw logits' own keys (16 bits for bf16, 32 for fp32).
 """
 from __future__ import annotations
 
