@@ -108,6 +108,17 @@ def test_linear_speculation_equals_ar_greedy(engine):
     assert all(1 <= s.canvases <= len(s.output) for s in spec)
 
 
+def test_a_temperature_below_the_minimum_is_greedy(engine):
+    """Logits divided by a temperature below 1e-5 (e.g. 1e-30, nonzero in fp32) would overflow to inf and
+    decode garbage (token 0 everywhere); below MIN_TEMPERATURE a request is greedy, as vLLM's is."""
+    p = prompt(7, 12)
+    assert DecodeParams(temperature=1e-30).effective_temperature == 0
+    assert DecodeParams(temperature=2e-5).effective_temperature == 2e-5
+    greedy, tiny = (served.generate(engine, [p], [DecodeParams(max_tokens=32, temperature=t, ignore_eos=True)])[0]
+                    for t in (0, 1e-30))
+    assert tiny.output == greedy.output and len(set(greedy.output)) > 1
+
+
 def test_linear_speculation_rejects_temperature():
     with pytest.raises(ValueError, match="linear_spec.*temperature|temperature.*linear_spec"):
         DecodeParams(mode="linear_spec", temperature=0.5)

@@ -128,4 +128,6 @@ def test_temperature_scales_the_schedule_and_0_is_reproducible(engine):
         DecodeParams(max_tokens=16, logprobs=3)])
     assert beside[1].output == zero
     with pytest.raises(ValueError, match="temperature"):   # both ends would round to one fp32 value
-        DecodeParams(t_min=0.4, t_max=0.8, temperature=2e-45)
+        DecodeParams(t_min=1e-40, t_max=2e-40, temperature=1e-5)
+    # below MIN_TEMPERATURE a request is greedy: the schedule as set, the fixed seed
+    assert out(temperature=1e-30) == zero

@@ -18,6 +18,9 @@ RevealPolicy = Literal["threshold", "low_confidence", "leftmost", "entropy_bound
 MAX_LOGPROBS = 20
 MAX_COUNT = 2**31 - 1     # steps, top-k: beyond any canvas or vocabulary
 MAX_TEMPERATURE = 100.0
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS): logits divided by less overflow fp32 to inf,
+# and a softmax of infs is NaN, so such a "nearly greedy" request would otherwise get garbage.
+MIN_TEMPERATURE = 1e-5
 MAX_ENTROPY = 1e4         # nats: above C * log V of any canvas and vocabulary (256 * log 2^32 = 5678)
 FLOAT_FIELDS = ("temperature", "top_p", "threshold", "entropy_bound", "t_min", "t_max", "confidence_threshold")
 
@@ -75,6 +78,11 @@ class DecodeParams(BaseModel):
         if v and fp32(v) == 0:
             raise ValueError(f"{v!r} is 0 in fp32, the precision the engine computes in")
         return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_below_min(cls, v: float | None) -> float | None:
+        return 0.0 if v is not None and v < MIN_TEMPERATURE else v
 
     @field_validator("temperature")
     @classmethod
