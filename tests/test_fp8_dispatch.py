@@ -1,0 +1,69 @@
+"""The FP8 kernels' path through the models, on the CPU: where model.fp8.kernels_take says yes, a layer
+quantizes its input once (model.fused.quantize_rows, or the gated activation's own kernel) and hands the
+Quantized rows to model.kernels.fp8 (tests/test_fp8_gpu.py tests those kernels on a GPU). Here torch's
+CPU `_scaled_mm` stands in for cuBLAS's and a dequantized einsum for the grouped kernels, so every CI run
+checks the plumbing (which activations are quantized where, the rows gathered for the experts, shapes
+back to the caller's) against model/fp8.py's reference path, in fp32."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import model.kernels.fp8
+import model.moe
+import model.parallel.linear
+from model.fp8 import dequantize
+from model.loader import load_model
+from model.parallel.group import TPGroup
+from tests.fp8_reference import schedule
+
+
+def grouped_on_cpu(xq, sx, w, w_scale, ends, rows, out_dtype, tile_map=None):
+    """model.kernels.fp8.scaled_grouped's contract, dequantized: each sorted row times its expert."""
+    x = dequantize(xq, sx[:, None], torch.float32)
+    if rows is not None:
+        x = x[rows]
+    expert = torch.searchsorted(ends, torch.arange(x.shape[0], dtype=ends.dtype), right=True)
+    return torch.einsum("pk,pnk->pn", x, dequantize(w, w_scale[..., None], torch.float32)[expert]).to(out_dtype)
+
+
+@contextlib.contextmanager
+def kernels_on_cpu(calls: list):
+    """kernels_take says yes on the CPU; the grouped kernel is grouped_on_cpu; calls records which ran."""
+    scaled_linear = model.kernels.fp8.scaled_linear
+
+    def linear(*args):
+        calls.append("linear")
+        return scaled_linear(*args)
+
+    def grouped(*args):
+        calls.append("grouped")
+        return grouped_on_cpu(*args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model.parallel.linear, "kernels_take", lambda x: True)
+        mp.setattr(model.moe, "kernels_take", lambda x: True)
+        mp.setattr(model.kernels.fp8, "scaled_linear", linear)
+        mp.setattr(model.kernels.fp8, "scaled_grouped", grouped)
+        yield
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_the_kernels_path_is_the_reference_path(family, tiny_fp8_nemotron, tiny_fp8_gemma):
+    """Both paths quantize the same activations the same way and differ only in where the scales are
+    applied (after the FP8 products' sum, or to each factor before it): logits equal to fp32 rounding."""
+    net = load_model(tiny_fp8_nemotron if family == "nemotron" else tiny_fp8_gemma, show_progress=False)
+    expected = schedule(net, TPGroup())
+    calls = []
+    with kernels_on_cpu(calls):
+        got = schedule(net, TPGroup())
+    layers = net.config.num_hidden_layers
+    # every FP8 layer of every forward took the kernels: q/k/v, o, gate/up, down; DiffusionGemma's
+    # two expert projections, its dense MLP and attention (its routers and self-conditioning stay BF16)
+    per_forward = {"linear": 4 * layers, "grouped": 2 * layers if family == "gemma" else 0}
+    assert calls.count("linear") == per_forward["linear"] * len(got)
+    assert calls.count("grouped") == per_forward["grouped"] * len(got)
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max(), f"forward {i}: {(a - b).abs().max():.3g}"
