@@ -113,6 +113,22 @@ def _cancel_all(choices: list[Choice]) -> None:
             c.stream.cancel()
 
 
+class ChoicesStream(StreamingResponse):
+    """A stream of choices that ends their engine requests however the response ends: also when the client
+    leaves before the stream's generator first runs (its `finally` then never runs, and the choices would
+    hold their slots until request_timeout_s)."""
+
+    def __init__(self, content, choices: list[Choice]):
+        super().__init__(content, media_type="text/event-stream")
+        self.choices = choices
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            _cancel_all(self.choices)
+
+
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIIngress:
@@ -320,8 +336,7 @@ class OpenAIIngress:
         try:
             await gathered([self._admitted(c, length_param) for c in choices])
             if body.stream:
-                return StreamingResponse(self._sse_stream(kind, body, response_id, choices, prompt_tokens),
-                                         media_type="text/event-stream")
+                return ChoicesStream(self._sse_stream(kind, body, response_id, choices, prompt_tokens), choices)
             response = await self._collect(kind, body, response_id, choices, prompt_tokens)
         except BaseException:   # one choice failed (or the client went away): none of them runs on
             _cancel_all(choices)
