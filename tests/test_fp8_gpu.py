@@ -132,7 +132,7 @@ def test_fp8_engine_in_cuda_graphs(family, tiny_fp8_nemotron, tiny_fp8_gemma):
     params = DecodeParams(max_tokens=32, temperature=0, ignore_eos=True, seed=1)
 
     def run(warm: bool):
-        with Engine(model_dir, num_slots=4, max_model_len=256, device="cuda", dtype="bfloat16") as e:
+        with Engine(model_dir, num_slots=2, max_model_len=128, device="cuda", dtype="bfloat16") as e:
             runner = e.shards.runner
             if warm:
                 report = runner.warm_up()
