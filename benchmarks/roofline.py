@@ -24,8 +24,11 @@ self-conditioning, and the kernels whose time differs between the two: what SC's
       median request latency under the mix, graphs captured after ready, GPU memory after the mixed
       phase minus after warm-up, the seed workload's tok/s at concurrency 1, 2, 4, 8 (about 4-5
       minutes per family; its JSON and server log beside --out)
+  P5  with more than one GPU (skipped otherwise, the reason in the JSON): per-forward time TP = 1 / TP = 2
+      of both families at batch 1 and 16 / 4 canvases, the all-reduce share of a TP = 2 step from its
+      profile (benchmarks/tp_bench.py)
 
-    python3 -m benchmarks.roofline [--out result.json] [--skip served,transformers,profile,invariant,traffic,fp8]
+    python3 -m benchmarks.roofline [--out result.json] [--skip served,transformers,profile,invariant,traffic,fp8,tp]
 """
 from __future__ import annotations
 
@@ -40,8 +43,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import tp_bench
 from benchmarks.shapes import write_diffusion_gemma_shapes, write_fp8_dynamic, write_shapes
 from model.checkpoint import RunnerArgs
+from model.parallel.group import TPGroup
+from model.parallel.small_allreduce import disable_multicast
 from model.protocol import Command, NewSlot
 from model.runner import Runner
 from model.sampling.params import DecodeParams
@@ -348,12 +354,85 @@ def transformers_generate(model_dir: Path, prompt: list[int], fixed: dict) -> di
     return out
 
 
-def runner_of(model_dir: Path, num_slots: int, max_model_len: int, batch_invariant: bool = False) -> Runner:
-    """A bare bf16 runner of the dummy full-size shape on one GPU."""
+def runner_of(model_dir: Path, num_slots: int, max_model_len: int, batch_invariant: bool = False,
+              tp: TPGroup | None = None, device: str = "cuda") -> Runner:
+    """A bare bf16 runner of the dummy full-size shape on one GPU (one rank of `tp`)."""
     return Runner.from_checkpoint(RunnerArgs.read(model_dir, num_slots=num_slots, max_model_len=max_model_len,
-                                                  dtype="bfloat16", device="cuda", load_format="dummy",
+                                                  dtype="bfloat16", device=device, load_format="dummy",
                                                   max_steps_per_command=STEPS_PER_COMMAND,
-                                                  batch_invariant=batch_invariant))
+                                                  batch_invariant=batch_invariant), tp)
+
+
+# ---- P5: tensor parallelism ---------------------------------------------------------------------------
+
+def tp_cases(work: Path) -> dict:
+    """family -> (model dir, slots, max_model_len, {batch: prompts}, params), the batches of tp_bench."""
+    gen = torch.Generator().manual_seed(0)
+    prompt = [1] + list(range(1000, 1015))
+    long_prompts = [[2] + torch.randint(10, 262144, (1023,), generator=gen).tolist() for _ in range(4)]
+    return {"nemotron": (write_shapes(work / "nemotron-ld-8b"), 16, 1024,
+                         {1: [prompt], 16: [prompt[:-1] + [2000 + i] for i in range(16)]},
+                         DecodeParams(temperature=0, max_tokens=256, ignore_eos=True, policy="low_confidence",
+                                      max_denoising_steps=32, seed_first_position=False)),
+            "gemma": (write_diffusion_gemma_shapes(work / "diffusion-gemma-26b-a4b"), 4, 2048,
+                      {1: long_prompts[:1], 4: long_prompts},
+                      DecodeParams(max_tokens=768, seed=1, ignore_eos=True, max_denoising_steps=16,
+                                   confidence_threshold=0.0))}
+
+
+def tp_measure(tp: TPGroup, device: str, cases: dict, profile: bool) -> dict:
+    """On one rank: each family's steady step time per batch (the median of 3 timed runs), and with
+    `profile` a step's profile. Every rank runs the same scheduler on the same events, so in lockstep."""
+    out = {}
+    for family, (model_dir, slots, max_len, batches, params) in cases.items():
+        runner = runner_of(model_dir, slots, max_len, tp=tp, device=device)
+        out[family] = {str(b): statistics.median(timed(runner, prompts, params)["steady_step_s"] for _ in range(3))
+                       for b, prompts in batches.items()}
+        if profile:
+            first = batches[1][0]
+            out[family]["profile"] = profile_step(runner, first, params.model_copy(update={"max_tokens": 256}))
+        del runner
+        free_cuda()
+    return out
+
+
+def _tp_rank(rank: int, world: int, init_file: str, cases: dict, out_file: str) -> None:
+    disable_multicast()
+    torch.cuda.set_device(rank)
+    torch.distributed.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        got = tp_measure(TPGroup.from_default_group(f"cuda:{rank}"), f"cuda:{rank}", cases, profile=True)
+        if rank == 0:
+            Path(out_file).write_text(json.dumps(got, default=str))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def tensor_parallel(work: Path, result: dict, skip: set[str]) -> None:
+    """P5 (benchmarks/tp_bench.py): TP = 1 here, TP = 2 in two spawned ranks, one GPU each."""
+    import torch.multiprocessing as mp
+
+    reason = tp_bench.skip_reason(torch.cuda.device_count())
+    if reason is not None:
+        result["P5"] = {"skipped": reason}
+        return
+    cases = {f: c for f, c in tp_cases(work).items() if f not in skip}
+    p5 = result["P5"] = {}
+    for family, steps in tp_measure(TPGroup(), "cuda", cases, profile=False).items():
+        p5[family] = {"tp1": steps}
+    init_file, out_file = work / f"tp-rendezvous-{time.monotonic_ns()}", work / "tp2.json"
+    ctx = mp.spawn(_tp_rank, args=(tp_bench.TP, str(init_file), cases, str(out_file)), nprocs=tp_bench.TP,
+                   join=False)
+    deadline = time.monotonic() + 3600
+    while not ctx.join(timeout=10):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError("the TP = 2 ranks did not finish within an hour")
+    for family, got in json.loads(out_file.read_text()).items():
+        profile = got.pop("profile")
+        p5[family].update({f"tp{tp_bench.TP}": got, "allreduce_share": tp_bench.allreduce_share(profile),
+                           "tp2_profile": profile["kernels"]})
 
 
 def measure_traffic(work: Path, out: Path, family: str, extra: list[str] = (), tag: str = "") -> dict:
@@ -376,13 +455,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "roofline.json")
     parser.add_argument("--work", type=Path, default=Path("/tmp/dllm-bench"))
     parser.add_argument("--skip", default="", help="comma list of: served, transformers, profile, invariant, "
-                                                   "traffic, fp8, nemotron, gemma (a family's traffic too)")
+                                                   "traffic, fp8, tp, nemotron, gemma (a family's traffic too)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     bandwidth = copy_bandwidth()
     result["copy_bandwidth_bytes_per_s"] = bandwidth
-    for name, fn in (("nemotron", nemotron), ("gemma", diffusion_gemma), ("fp8", fp8)):
+    for name, fn in (("nemotron", nemotron), ("gemma", diffusion_gemma), ("fp8", fp8),
+                     ("tp", lambda work, _, result, skip: tensor_parallel(work, result, skip))):
         if name not in skip:
             t = time.perf_counter()
             try:
@@ -426,7 +506,8 @@ def summary(r: dict) -> str:
             ("FP8 / BF16 step time, 8B batch 1", (r.get("FP8_nemotron") or {}).get(1), "report"),
             ("FP8 / BF16 step time, 8B batch 16", (r.get("FP8_nemotron") or {}).get(16), "report"),
             ("FP8 / BF16 step time, 26B-A4B 1 canvas", (r.get("FP8_gemma") or {}).get(1), "report"),
-            ("FP8 / BF16 step time, 26B-A4B 4 canvases", (r.get("FP8_gemma") or {}).get(4), "report")]
+            ("FP8 / BF16 step time, 26B-A4B 4 canvases", (r.get("FP8_gemma") or {}).get(4), "report"),
+            *tp_bench.rows(r)]
     for family, measured in (r.get("traffic") or {}).items():
         from benchmarks.traffic import rows as traffic_rows
 

@@ -4,7 +4,8 @@ reduction tests share.
     spawn_tp(fn, world_size, workdir, *args, timeout=...)
 
 starts `world_size` processes with torch.multiprocessing (spawn), joins them into one gloo process
-group through a `file://` rendezvous in `workdir`, and calls `fn(rank, world_size, *args)` in each.
+group through a `file://` rendezvous in `workdir`, and calls `fn(rank, world_size, *args)` in each
+(backend="nccl": one GPU per rank, cuda:rank, multicast off as in a shard).
 Every wait is bounded: a rank that hangs (a collective another rank never issues, a deadlock) makes
 `spawn_tp` kill the group and raise TimeoutError instead of hanging the test session; a rank that
 raises makes it raise RuntimeError carrying every failed rank's traceback. `fn` must be importable
@@ -30,6 +31,7 @@ import torch.multiprocessing as mp
 from model.attention import KVCache, StepContext, step_context
 from model.parallel import reductions as R
 from model.parallel.group import TPGroup, shard_range
+from model.parallel.small_allreduce import disable_multicast
 from model.sampling.filters import keep_threshold
 from tests import vocab_reductions as VR
 
@@ -39,11 +41,14 @@ MASK = 100
 # --------------------------------------------------------------------------------------------------
 # Process-group plumbing
 
-def _entry(rank: int, world_size: int, init_file: str, error_dir: str, collective_timeout_s: float, fn,
-           args) -> None:
+def _entry(rank: int, world_size: int, init_file: str, error_dir: str, collective_timeout_s: float, backend: str,
+           fn, args) -> None:
     torch.set_num_threads(1)  # several ranks share 2 cores
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            disable_multicast()
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
         try:
             fn(rank, world_size, *args)
@@ -56,15 +61,15 @@ def _entry(rank: int, world_size: int, init_file: str, error_dir: str, collectiv
 
 
 def spawn_tp(fn, world_size: int, workdir: str | Path, *args, timeout: float = 120.0,
-             collective_timeout_s: float = 60.0) -> None:
-    """Run fn(rank, world_size, *args) on world_size gloo ranks; raise on any failure or on timeout."""
+             collective_timeout_s: float = 60.0, backend: str = "gloo") -> None:
+    """Run fn(rank, world_size, *args) on world_size ranks; raise on any failure or on timeout."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     tag = f"tp{world_size}-{time.monotonic_ns()}"
     init_file = workdir / f"rendezvous-{tag}"  # must not exist yet
     error_dir = workdir / f"errors-{tag}"
     error_dir.mkdir()
-    ctx = mp.spawn(_entry, args=(world_size, str(init_file), str(error_dir), collective_timeout_s, fn, args),
+    ctx = mp.spawn(_entry, args=(world_size, str(init_file), str(error_dir), collective_timeout_s, backend, fn, args),
                    nprocs=world_size, join=False)
     deadline = time.monotonic() + timeout
     try:

@@ -15,6 +15,7 @@ import torch
 
 from model.checkpoint import RunnerArgs
 from model.parallel.group import TPGroup
+from model.parallel.small_allreduce import disable_multicast
 from model.protocol import Command, Events
 from model.runner import Runner
 
@@ -46,11 +47,12 @@ class ShardWorker:
     def start(self, rendezvous: str | None, collective_timeout_s: float) -> bool:
         tp = TPGroup()
         if self.world_size > 1:
+            disable_multicast()   # before NCCL, NVSHMEM or symmetric memory start: no NVLS, ever
             backend = "nccl" if self.device.startswith("cuda") else "gloo"
             torch.distributed.init_process_group(
                 backend, init_method=rendezvous, rank=self.rank, world_size=self.world_size,
                 timeout=datetime.timedelta(seconds=collective_timeout_s))
-            tp = TPGroup.from_default_group()
+            tp = TPGroup.from_default_group(self.device)
         self.runner = Runner.from_checkpoint(self.args, tp)
         return True
 

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from model.checkpoint import RunnerArgs
 from model.parallel.group import TPGroup
+from model.parallel.small_allreduce import disable_multicast
 from model.protocol import Command, Events
 from model.runner import Runner
 from workers.failures import ShardFailure
@@ -37,10 +38,13 @@ def _rank_main(rank: int, world: int, init_file: str, args: RunnerArgs, commands
     try:
         backend = "nccl" if args.device.startswith("cuda") else "gloo"
         device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+        disable_multicast()   # before NCCL, NVSHMEM or symmetric memory start: no NVLS, ever
+        if backend == "nccl":
+            torch.cuda.set_device(rank)   # symmetric memory maps its buffers on the current device
         torch.distributed.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                              world_size=world)
         torch.set_num_threads(1)
-        runner = Runner.from_checkpoint(args.model_copy(update={"device": device}), TPGroup.from_default_group())
+        runner = Runner.from_checkpoint(args.model_copy(update={"device": device}), TPGroup.from_default_group(device))
         answers.put(("ready", rank))
         while True:
             cmd = commands.get()

@@ -1,16 +1,18 @@
-"""The tensor-parallel group one rank belongs to.
+"""The tensor-parallel group one rank belongs to: every collective of a model goes through it.
 
 At world size 1 no process group is needed and no collective is ever issued, so a single-GPU (or CPU)
-model pays nothing for tensor parallelism.
+model pays nothing for tensor parallelism. On CUDA with NCCL, small sums go through a one-shot
+all-reduce over symmetric memory when the group starts with one (model/parallel/small_allreduce.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from model import batch_invariant
+from model.parallel.small_allreduce import OneShotAllReduce, start_small_allreduce
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,7 @@ class TPGroup:
     rank: int = 0
     world_size: int = 1
     group: dist.ProcessGroup | None = None
+    small: OneShotAllReduce | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
@@ -26,11 +29,16 @@ class TPGroup:
             raise ValueError("tensor_parallel_size > 1 needs an initialised torch.distributed process group")
 
     @classmethod
-    def from_default_group(cls) -> "TPGroup":
-        """The whole default process group as one TP group (or world size 1 without one)."""
+    def from_default_group(cls, device: torch.device | str = "cpu", small_allreduce: bool | None = None
+                           ) -> "TPGroup":
+        """The whole default process group as one TP group (or world size 1 without one). On `device` cuda
+        with NCCL the group starts its one-shot path for small sums (collective; small_allreduce None:
+        on unless DLLM_SMALL_ALLREDUCE=0) and logs which path it uses."""
         if not dist.is_initialized():
             return cls()
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), group=dist.group.WORLD)
+        rank, world_size, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+        return cls(rank=rank, world_size=world_size, group=group,
+                   small=start_small_allreduce(group, rank, world_size, device, small_allreduce))
 
     @property
     def is_parallel(self) -> bool:
@@ -38,11 +46,14 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """In place; returns x for chaining. A sum in batch-invariant mode adds the ranks' parts in rank
-        order (NCCL's order depends on the message size, so on the batch)."""
+        order (NCCL's order depends on the message size, so on the batch); otherwise a message the
+        one-shot path takes goes through it, any other through the process group's backend."""
         if not self.is_parallel:
             return x
         if op == dist.ReduceOp.SUM and batch_invariant.enabled():
             return x.copy_(batch_invariant.sum_in_order(self.all_gather(x)))
+        if self.small is not None and self.small.takes(x, op):
+            return self.small(x)
         dist.all_reduce(x, op=op, group=self.group)
         return x
 
