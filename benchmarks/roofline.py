@@ -232,7 +232,8 @@ def fp8(work: Path, bandwidth: float, result: dict, skip: set[str]) -> None:
                 row[f"batch{b}_step_s"] = statistics.median(steps)
             row["P1"] = row["batch1_step_s"] / row["floor_s"]
             if dtype == "fp8" and name == "gemma" and "profile" not in skip:
-                row["profile"] = profile_step(runner, long_prompts[0], gemma_params.model_copy(update={"max_tokens": 256}))
+                one_canvas = gemma_params.model_copy(update={"max_tokens": 256})
+                row["profile"] = profile_step(runner, long_prompts[0], one_canvas)
             del runner
             free_cuda()
         rows = out[name]
