@@ -3,7 +3,8 @@ quantizes its input once (model.fused.quantize_rows, or the gated activation's o
 Quantized rows to model.kernels.fp8 (tests/test_fp8_gpu.py tests those kernels on a GPU). Here torch's
 CPU `_scaled_mm` stands in for cuBLAS's and a dequantized einsum for the grouped kernels, so every CI run
 checks the plumbing (which activations are quantized where, the rows gathered for the experts, shapes
-back to the caller's) against model/fp8.py's reference path, in fp32."""
+back to the caller's) against model/fp8.py's reference path, in fp32 (under tensor parallelism: in
+tests/test_fp8_tp.py's ranks, with kernels_on_cpu from here)."""
 from __future__ import annotations
 
 import contextlib
@@ -68,34 +69,3 @@ def test_the_kernels_path_is_the_reference_path(family, tiny_fp8_nemotron, tiny_
     for i, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max(), f"forward {i}: {(a - b).abs().max():.3g}"
 
-
-def tp_worker(rank: int, world_size: int, model_dirs: dict[str, str], out_dir: str) -> None:
-    """On each rank: both families' schedules through the reference path and through the kernels' path."""
-    from pathlib import Path
-
-    tp = TPGroup.from_default_group()
-    out = {}
-    for family, d in model_dirs.items():
-        net = load_model(d, tp, show_progress=False)
-        calls = []
-        reference = schedule(net, tp)
-        with kernels_on_cpu(calls):
-            kernels = schedule(net, tp)
-        out[family] = {"reference": reference, "kernels": kernels, "calls": len(calls)}
-    torch.save(out, Path(out_dir) / f"rank{rank}.pt")
-
-
-def test_the_kernels_path_under_tensor_parallelism(tiny_fp8_nemotron, tiny_fp8_gemma, tmp_path):
-    """TP = 2 (gloo): each rank's shards of FP8 weights and scales through the kernels' path (its own
-    slice of a row-parallel layer's input quantized, the experts' intermediate dim split) give that
-    rank's reference-path logits to fp32 rounding."""
-    from tests.tp_harness import spawn_tp
-
-    dirs = {"nemotron": str(tiny_fp8_nemotron), "gemma": str(tiny_fp8_gemma)}
-    spawn_tp(tp_worker, 2, tmp_path, dirs, str(tmp_path), timeout=240)
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        for family, r in got.items():
-            assert r["calls"] > 0, family
-            for i, (a, b) in enumerate(zip(r["kernels"], r["reference"], strict=True)):
-                assert (a - b).abs().max() <= 1e-4 * b.abs().max(), f"rank {rank} {family} forward {i}"

@@ -28,9 +28,19 @@ WORLD = 2
 
 
 def worker(rank: int, world_size: int, model_dirs: dict[str, str], out_dir: str) -> None:
+    """Each family's fp64 schedule; and in fp32 its reference path and the FP8 kernels' path
+    (tests/test_fp8_dispatch.py: the kernels' path under tensor parallelism, in the same ranks)."""
+    from tests.test_fp8_dispatch import kernels_on_cpu
+
     tp = TPGroup.from_default_group()
     out = {family: schedule(load_model(d, tp, dtype=torch.float64, show_progress=False), tp)
            for family, d in model_dirs.items()}
+    for family, d in model_dirs.items():
+        net, calls = load_model(d, tp, show_progress=False), []
+        reference = schedule(net, tp)
+        with kernels_on_cpu(calls):
+            kernels = schedule(net, tp)
+        out[f"{family} kernels"] = {"reference": reference, "kernels": kernels, "calls": len(calls)}
     torch.save(out, Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -56,3 +66,15 @@ def test_tp2_equals_tp1_with_each_ranks_rounding(ranks, family, tiny_fp8_nemotro
             assert d <= FP64_TOL, f"forward {i}: max |TP2 - TP1 with per-rank rounding| = {d:.3g}"
             # and the per-slice rounding is real: TP = 1's own FP8 model differs by FP8-sized amounts
             assert (got - one).abs().max() > 1e-4, f"forward {i}"
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_the_kernels_path_under_tensor_parallelism(ranks, family):
+    """TP = 2: each rank's shards of FP8 weights and scales through the FP8 kernels' path (its own slice
+    of a row-parallel layer's input quantized, the experts' intermediate dim split; CPU stand-ins for the
+    kernels, tests/test_fp8_dispatch.py) give that rank's reference-path logits to fp32 rounding."""
+    for rank, r in enumerate(ranks):
+        got = r[f"{family} kernels"]
+        assert got["calls"] > 0
+        for i, (a, b) in enumerate(zip(got["kernels"], got["reference"], strict=True)):
+            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), f"rank {rank} forward {i}"
