@@ -10,12 +10,12 @@ Nemotron blocks [R, 32, 131072] in fp32 and bf16 (decided on x / T). Each shape 
     p0.9     every row top_p 0.9 alone (the whole vocabulary carries mass)
     none     no row asks a filter
 
-The baseline is the kernel this one replaced (16 comparisons an entry and pass, candidates along the
-tile's last axis), kept below verbatim but renamed. --sweep times a few tile / split settings of the
-new kernel. --tiny runs small shapes, also on the CPU under TRITON_INTERPRET=1 (a smoke test of this
+The kernel this one replaced (16 comparisons an entry and pass, candidates along the tile's last axis)
+is model/kernels/filters.py at commit bfc66c6; the README's table has both, from one run of this script
+when it still carried a copy of it. --sweep times a few tile / split settings of the kernel. --tiny runs small shapes, also on the CPU under TRITON_INTERPRET=1 (a smoke test of this
 script). Prints a table; writes JSON to --json (default $OUT/filters_bench.json when $OUT is set).
 
-    PYTHONPATH=. python benchmarks/filters_bench.py [--sweep] [--no-baseline]
+    PYTHONPATH=. python benchmarks/filters_bench.py [--sweep]
 """
 from __future__ import annotations
 
@@ -29,13 +29,12 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
 import model.kernels.filters as F
-from model.kernels.filters import COUNT, LOG_NORM, MASS, decided_value, triton_threshold
+from model.kernels.filters import triton_threshold
 from model.kernels.launch import INTERPRETED
 from model.parallel.group import TPGroup
-from model.sampling.filters import CANDIDATES, torch_threshold
+from model.sampling.filters import torch_threshold
 
 DG = dict(softcap=30.0, on_scaled=False)
 NEMOTRON = dict(on_scaled=True)
@@ -133,9 +132,6 @@ def run_case(name, ask, shape, dtype, kw, device, opts) -> dict:
     row = dict(shape=name, dims=list(shape), dtype=str(dtype).removeprefix("torch."), ask=ask)
     new = lambda: triton_threshold(x, temp, top_k, top_p, 0, TPGroup(), **kw)   # noqa: E731
     row["new_ms"] = time_ms(new, opts.iters, device)
-    if opts.baseline:
-        row["old_ms"] = time_ms(lambda: old_triton_threshold(x, temp, top_k, top_p, 0, TPGroup(), **kw),
-                                opts.iters, device)
     if opts.check:
         exact, worst = compare(torch_threshold(x, temp, top_k, top_p, 0, TPGroup(), **kw), new())
         row.update(exact=exact, max_rel_diff=worst)
@@ -170,7 +166,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shapes", nargs="+", help=f"of {list(SHAPES)} (default: all; with --tiny, of {list(TINY)})")
     p.add_argument("--asks", nargs="+", default=list(ASKS), choices=ASKS)
     p.add_argument("--iters", type=int, default=5, help="timed runs a case (the median is reported)")
-    p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the replaced kernel")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the check against torch")
     p.add_argument("--sweep", action="store_true", help="also time the new kernel's SWEEP settings")
     p.add_argument("--tiny", action="store_true", help="small shapes (CPU: under TRITON_INTERPRET=1 only)")
@@ -197,17 +192,13 @@ def main(argv=None) -> int:
     else:
         sys.exit("filters_bench needs a CUDA device (or --tiny under TRITON_INTERPRET=1)")
     rows = []
-    print(f"{'shape':<14}{'dtype':<10}{'ask':<9}{'new ms':>9}{'old ms':>9}{'speedup':>9}  exact  max rel diff",
-          flush=True)
+    print(f"{'shape':<14}{'dtype':<10}{'ask':<9}{'ms':>9}  exact  max rel diff", flush=True)
     for name in opts.shapes or list(table):
         shape, dtype, kw = table[name]
         for ask in opts.asks:
             row = run_case(name, ask, shape, dtype, kw, device, opts)
             rows.append(row)
-            old = row.get("old_ms")
             print(f"{name:<14}{row['dtype']:<10}{ask:<9}{row['new_ms']:>9.3f}"
-                  f"{old if old is not None else float('nan'):>9.3f}"
-                  f"{old / row['new_ms'] if old is not None else float('nan'):>9.1f}"
                   f"  {str(row.get('exact', '-')):<5}  {row.get('max_rel_diff', float('nan')):.2e}", flush=True)
     report = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
                   torch=torch.__version__, triton=triton.__version__,
@@ -231,201 +222,6 @@ def main(argv=None) -> int:
         print(f"NOT EXACT: {len(failed)} case(s){graph}")
         return 1
     return 0
-
-
-# ---- the baseline: model/kernels/filters.py before the histogram passes, verbatim but renamed --------
-
-OLD_BLOCK = 256
-OLD_SPLIT = 16384
-
-
-@triton.jit
-def _old_logit_keys(x, BITS: tl.constexpr):
-    """Order-preserving int64 keys of fp32 x in the logits' own BITS-bit precision (bf16 values in fp32
-    are their 16 bits shifted up), -0 as +0."""
-    bits = x.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) >> (32 - BITS)
-    return tl.where(ordered == -1, 0, ordered)
-
-
-@triton.jit
-def _old_key_logit(key, BITS: tl.constexpr):
-    """The fp32 logit of a key of _old_logit_keys."""
-    ordered = (key << (32 - BITS)).to(tl.int32)
-    return tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _old_chosen(totals_ptr, n, splits, target, NC: tl.constexpr, SPLITS_P2: tl.constexpr):
-    """The digit a pass's totals decide for row position n: the largest candidate whose total (over the
-    splits) reaches the target, 0 if none; and whether candidate 0 (everything above the prefix) did."""
-    s = tl.arange(0, SPLITS_P2)
-    d = tl.arange(0, NC)
-    parts = tl.load(totals_ptr + (n * splits + s[:, None]) * NC + d[None, :], mask=s[:, None] < splits, other=0.0)
-    ok = tl.sum(parts, 0) >= target
-    return tl.maximum(tl.sum(ok.to(tl.int32), 0) - 1, 0), tl.sum(tl.where(d == 0, ok.to(tl.int32), 0), 0) > 0
-
-
-@triton.jit
-def _old_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_ptr, out_ptr, xk_ptr, norm_ptr,
-                        P, V, splits, norm_splits, softcap,
-                        MODE: tl.constexpr, PASS: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
-                        HAS_SOFTCAP: tl.constexpr,
-                        ON_SCALED: tl.constexpr, INTERPRETED: tl.constexpr, NC: tl.constexpr,
-                        SPLITS_P2: tl.constexpr, NORM_SPLITS_P2: tl.constexpr, SPLIT_SIZE: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr):
-    """COUNT pass PASS: out[n, split, d] = entries with key >= prefix + d << shift; LOG_NORM: out[n, split,
-    0:2] = (max, sum exp(v - max)) of the top-k survivors' values (and xk[n] = the top-k threshold's
-    logit); MASS pass PASS: out[n, split, d] = their probability mass at keys >= prefix + d << shift.
-    prev: the previous pass's totals (PASS > 0); prefix[PASS - 1] the prefix they were counted at."""
-    n = tl.program_id(0)
-    split = tl.program_id(1)
-    row = n // P
-    k = tl.load(top_k_ptr + row)
-    p = tl.load(top_p_ptr + row)
-    active = (k > 0) if MODE == COUNT else (p < 1)
-    d = tl.arange(0, NC)
-    # per-lane totals, summed across lanes once after the loop (a cross-lane sum every tile cost more)
-    acc = tl.zeros((BLOCK_SIZE, NC), dtype=tl.float32)
-    m = tl.full((), -float("inf"), tl.float32)
-    z = tl.zeros((), tl.float32)
-    if active:
-        temp = tl.load(temp_ptr + row)
-        t_eff = tl.where(temp > 0, temp, 1.0)
-        if MODE == COUNT:
-            target = k.to(tl.float32)
-        else:
-            target = p
-        prefix = tl.full((), -(1 << (BITS - 1)), tl.int64)
-        if PASS > 0:
-            digit, _ = _old_chosen(prev_ptr, n, splits, target, NC, SPLITS_P2)
-            prefix = tl.load(prefix_ptr + (PASS - 1) * tl.num_programs(0) + n) + (digit.to(tl.int64) << (SHIFT + 4))
-        if split == 0:
-            tl.store(prefix_ptr + PASS * tl.num_programs(0) + n, prefix)
-        candidates = prefix + (d.to(tl.int64) << SHIFT)
-        if MODE != COUNT:
-            thr = decided_value(tl.load(xk_ptr + n), t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
-        if MODE == MASS:
-            s = tl.arange(0, NORM_SPLITS_P2)
-            inside_s = s < norm_splits
-            ms = tl.load(norm_ptr + (n * norm_splits + s) * NC, mask=inside_s, other=-float("inf"))
-            zs = tl.load(norm_ptr + (n * norm_splits + s) * NC + 1, mask=inside_s, other=0.0)
-            top = tl.max(ms, 0)
-            safe = tl.where(top == -float("inf"), 0.0, top)
-            norm = safe + tl.log(tl.sum(tl.where(zs > 0, zs * tl.exp(ms - safe), 0.0), 0))
-        row_ptr = x_ptr + n.to(tl.int64) * V
-        start = split * SPLIT_SIZE
-        for off in range(0, SPLIT_SIZE, BLOCK_SIZE):
-            cols = start + off + tl.arange(0, BLOCK_SIZE)
-            inside = cols < V
-            x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
-            if MODE == COUNT:
-                at = (_old_logit_keys(x, BITS)[:, None] >= candidates[None, :]) & inside[:, None]
-                acc += at.to(tl.float32)
-            else:
-                v = decided_value(x, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
-                v = tl.where(inside & (v >= thr), v, -float("inf"))
-                if MODE == LOG_NORM:
-                    new_m = tl.maximum(m, tl.max(v, 0))
-                    safe_m = tl.where(new_m == -float("inf"), 0.0, new_m)
-                    z = z * tl.exp(m - safe_m) + tl.sum(tl.exp(v - safe_m), 0)
-                    m = new_m
-                else:
-                    mass = tl.exp(v - norm)
-                    at = _old_logit_keys(x, BITS)[:, None] >= candidates[None, :]
-                    acc += tl.where(at, mass[:, None], 0.0)
-    out = (n * splits + split) * NC
-    if MODE == LOG_NORM:
-        tl.store(out_ptr + out + d, tl.where(d == 0, m, tl.where(d == 1, z, 0.0)))
-    else:
-        tl.store(out_ptr + out + d, tl.sum(acc, 0))
-
-
-@triton.jit
-def _old_top_k_logit_kernel(top_k_ptr, totals_ptr, first_ptr, prefix_ptr, xk_ptr, P, splits, last,
-                        BITS: tl.constexpr, NC: tl.constexpr, SPLITS_P2: tl.constexpr):
-    """xk[n]: the k-th largest logit of row position n (-inf where the row asks no top-k, or more than the
-    vocabulary), from the last count pass."""
-    n = tl.program_id(0)
-    k = tl.load(top_k_ptr + n // P)
-    digit, _ = _old_chosen(totals_ptr, n, splits, k.to(tl.float32), NC, SPLITS_P2)
-    _, reached = _old_chosen(first_ptr, n, splits, k.to(tl.float32), NC, SPLITS_P2)   # k entries at all
-    key = tl.load(prefix_ptr + last * tl.num_programs(0) + n) + digit.to(tl.int64)
-    tl.store(xk_ptr + n, tl.where((k > 0) & reached, _old_key_logit(key, BITS), -float("inf")))
-
-
-@triton.jit
-def _old_finish_kernel(temp_ptr, top_p_ptr, xk_ptr, totals_ptr, first_ptr, prefix_ptr, out_ptr, P, splits, last,
-                   softcap, BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ON_SCALED: tl.constexpr,
-                   INTERPRETED: tl.constexpr, NC: tl.constexpr, SPLITS_P2: tl.constexpr):
-    """out[n]: the threshold v(max(top-k logit, top-p logit)), -inf for a row asking neither filter."""
-    n = tl.program_id(0)
-    row = n // P
-    p = tl.load(top_p_ptr + row)
-    temp = tl.load(temp_ptr + row)
-    t_eff = tl.where(temp > 0, temp, 1.0)
-    raw = tl.load(xk_ptr + n)
-    if p < 1:
-        digit, _ = _old_chosen(totals_ptr, n, splits, p, NC, SPLITS_P2)
-        _, reached = _old_chosen(first_ptr, n, splits, p, NC, SPLITS_P2)   # the whole mass reaches p
-        key = tl.load(prefix_ptr + last * tl.num_programs(0) + n) + digit.to(tl.int64)
-        raw = tl.where(reached, tl.maximum(raw, _old_key_logit(key, BITS)), raw)
-    v = decided_value(raw, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
-    tl.store(out_ptr + n, tl.where(raw == -float("inf"), -float("inf"), v))
-
-
-def old_triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                     vocab_start: int, tp: TPGroup, *, softcap: float | None = None,
-                     on_scaled: bool = True) -> torch.Tensor:
-    """model.sampling.filters.torch_threshold's contract on CUDA (and the interpreter)."""
-    R, P, V = x.shape
-    RP, dev = R * P, x.device
-    x = x.contiguous()
-    bits = 16 if x.dtype == torch.bfloat16 else 32
-    passes = bits // 4
-    splits = triton.cdiv(V, OLD_SPLIT)
-    temp = temperature.float().contiguous()
-    top_k, top_p = top_k.contiguous(), top_p.float().contiguous()
-    flags = dict(BITS=bits, HAS_SOFTCAP=softcap is not None, ON_SCALED=on_scaled, INTERPRETED=INTERPRETED,
-                 NC=CANDIDATES, SPLITS_P2=triton.next_power_of_2(splits))
-    cap = float(softcap or 1.0)
-    counts = torch.empty(passes, RP, splits, CANDIDATES, device=dev)
-    masses = torch.empty_like(counts)
-    norm = torch.empty(RP, splits, CANDIDATES, device=dev)
-    prefix_k = torch.empty(passes, RP, dtype=torch.int64, device=dev)
-    prefix_p = torch.empty_like(prefix_k)
-    xk = torch.empty(RP, device=dev)
-
-    def run(mode, i, prev, prefix, out, norm_in, norm_splits):
-        _old_pass_kernel[(RP, splits)](
-            x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, P, V, splits, norm_splits, cap, MODE=mode.value,
-            PASS=i, SHIFT=bits - 4 * (i + 1), NORM_SPLITS_P2=triton.next_power_of_2(norm_splits),
-            SPLIT_SIZE=min(OLD_SPLIT, V),
-            BLOCK_SIZE=min(OLD_BLOCK, triton.next_power_of_2(V)), num_warps=4, **flags)
-        tp.all_reduce(out)   # a count or a mass: the totals over ranks (the log-normaliser is combined below)
-
-    for i in range(passes):
-        run(COUNT, i, counts[i - 1] if i else counts[0], prefix_k, counts[i], norm, 1)
-    _old_top_k_logit_kernel[(RP,)](top_k, counts[-1], counts[0], prefix_k, xk, P, splits, passes - 1, BITS=bits,
-                               NC=CANDIDATES, SPLITS_P2=triton.next_power_of_2(splits))
-    _old_pass_kernel[(RP, splits)](
-        x, temp, top_k, top_p, counts[0], prefix_p, norm, xk, norm, P, V, splits, 1, cap, MODE=LOG_NORM.value, PASS=0,
-        SHIFT=bits - 4, NORM_SPLITS_P2=1, SPLIT_SIZE=min(OLD_SPLIT, V),
-        BLOCK_SIZE=min(OLD_BLOCK, triton.next_power_of_2(V)), num_warps=4,
-        **flags)
-    norm_in, norm_splits = norm, splits
-    if tp.is_parallel:   # (max, sum) pairs combine by rescaling, not by a plain sum: over the ranks here
-        m = tp.all_reduce(norm[..., 0].amax(1), torch.distributed.ReduceOp.MAX)
-        safe = torch.where(torch.isfinite(m), m, 0.0)
-        z = tp.all_reduce((norm[..., 1] * torch.exp(norm[..., 0] - safe[:, None])).nan_to_num(0.0).sum(1))
-        norm_in, norm_splits = torch.stack([m, z], -1).reshape(RP, 1, 2), 1
-        norm_in = torch.nn.functional.pad(norm_in, (0, CANDIDATES - 2))
-    for i in range(passes):
-        run(MASS, i, masses[i - 1] if i else masses[0], prefix_p, masses[i], norm_in, norm_splits)
-    out = torch.empty(RP, dtype=torch.float32, device=dev)
-    _old_finish_kernel[(RP,)](temp, top_p, xk, masses[-1], masses[0], prefix_p, out, P, splits, passes - 1, cap,
-                          **flags)
-    return out.view(R, P)
 
 
 if __name__ == "__main__":
