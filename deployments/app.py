@@ -114,9 +114,9 @@ def _cancel_all(choices: list[Choice]) -> None:
 
 
 class ChoicesStream(StreamingResponse):
-    """A stream of choices that ends their engine requests however the response ends: also when the client
-    leaves before the stream's generator first runs (its `finally` then never runs, and the choices would
-    hold their slots until request_timeout_s)."""
+    """A stream of choices that ends their engine requests however the response ends (the one place a
+    stream ends them): also when the client leaves before the stream's generator first runs, whose own
+    `finally` then never runs (the choices would hold their slots until request_timeout_s)."""
 
     def __init__(self, content, choices: list[Choice]):
         super().__init__(content, media_type="text/event-stream")
@@ -441,8 +441,7 @@ class OpenAIIngress:
                                usage=self._usage(prompt_tokens, choices)))
             yield _sse("[DONE]")
             status = 200
-        finally:
-            _cancel_all(choices)
+        finally:   # the choices' requests end in ChoicesStream, however the response ends
             prom.REQUESTS.add(ENDPOINT[kind], status)
 
     async def _choice_events(self, kind: str, body, chunk_id: str, choice: Choice) -> AsyncIterator[str]:
