@@ -93,7 +93,7 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor | Quantized) -> torch.Tensor:
         """x [..., in] -> [..., out]; or activations already quantized in their producer (only where
         `fp8_kernels` said so) [rows, in] -> [rows, out]."""
-        if isinstance(x, Quantized) or (self.weight_scale is not None and self.fp8_kernels(x)):
+        if isinstance(x, Quantized) or self.fp8_kernels(x):
             from model.kernels.fp8 import scaled_linear   # triton: imported where CUDA runs it
 
             a = x if isinstance(x, Quantized) else quantize_rows(x)
