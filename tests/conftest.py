@@ -3,12 +3,20 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
+    # The modules on the session's shared Ray + Serve (tests/serve_harness.py) run last, in their order
+    items.sort(key=lambda item: "shared_serve" in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests.serve_harness import stop_shared_serve
+
+    stop_shared_serve()
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,12 @@
 """Ray + Serve for HTTP tests: one local Ray, one Serve HTTP proxy on a free port, apps by route prefix;
 plus what the HTTP, fault, load, fuzz and soak suites share: the coordinator's stats, /health, SSE
-reading, the OpenAI error shape, and the resident memory of the app's processes."""
+reading, the OpenAI error shape, and the resident memory of the app's processes.
+
+The HTTP modules share one Ray + Serve for the whole pytest session (`shared_serve`, stopped when the
+session ends): starting and stopping them cost ~11 s a module on 2 cores. Each module deletes its own
+apps when it is done (`delete_apps`), so the next one starts from an empty Serve. tests/conftest.py runs
+the modules marked `shared_serve` last, so no other test runs beside an idle Ray, and the tests that
+start a Ray of their own (test_cluster.py, the `make serve` subprocesses) run before it exists."""
 from __future__ import annotations
 
 import contextlib
@@ -49,16 +55,47 @@ def stop_serve() -> None:
     ray.shutdown()
 
 
+_shared_port: int | None = None
+
+
+def shared_serve() -> int:
+    """The session's Ray + Serve (started by the first caller); its HTTP port."""
+    global _shared_port
+    if _shared_port is None:
+        _shared_port = start_serve()
+    return _shared_port
+
+
+def stop_shared_serve() -> None:
+    """Stops the session's Ray + Serve, if one was started (tests/conftest.py, when the session ends)."""
+    global _shared_port
+    if _shared_port is not None:
+        _shared_port = None
+        stop_serve()
+
+
+def delete_apps(timeout_s: float = 60.0) -> None:
+    """Deletes every app of the shared Serve, all at once, and waits (bounded) until they are gone. Should
+    that fail, the whole Ray + Serve is stopped instead: the next module then starts a fresh one."""
+    try:
+        for name in serve.status().applications:
+            serve.delete(name, _blocking=False)
+        wait_until(lambda: not serve.status().applications, timeout_s, "the apps to be deleted", interval_s=0.1)
+    except Exception:
+        stop_shared_serve()
+        raise
+
+
 @contextlib.contextmanager
 def serving(apps: dict[str, object]) -> Iterator[int]:
-    """Ray + Serve with each built app under /<name>; yields the port; shuts everything down after."""
-    port = start_serve()
+    """The shared Ray + Serve with each built app under /<name>; yields the port; deletes the apps after."""
+    port = shared_serve()
     try:
         for name, app in apps.items():
             serve.run(app, name=name, route_prefix=f"/{name}")
         yield port
     finally:
-        stop_serve()
+        delete_apps()
 
 
 def completions_url(port: int, app: str) -> str:

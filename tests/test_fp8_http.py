@@ -11,6 +11,8 @@ from tests import served
 from tests.serve_harness import serving
 from workers.engine import Engine
 
+pytestmark = pytest.mark.shared_serve
+
 PROMPT = [2, 17, 230, 41, 989, 512, 77]
 
 

@@ -21,6 +21,8 @@ from model.tiny import write_diffusion_gemma
 from tests.serve_harness import assert_openai_error, serving, sse_payloads, wait_until
 from workers.request import RequestOutput
 
+pytestmark = pytest.mark.shared_serve
+
 KEY = "test-key"
 MODEL = "tiny"
 TP1_BODY_LIMIT = 2**20

@@ -17,6 +17,8 @@ from tests.serve_harness import (assert_openai_error, assert_stream_ended_with_e
                                  greedy_choice, health, kill_if_alive, pid_alive, serving, slow_stream_body,
                                  sse_payloads, stats, wait_until)
 
+pytestmark = pytest.mark.shared_serve
+
 APP, MODEL = "faults", "tiny"
 NUM_SLOTS, MAX_QUEUE = 4, 8
 COMMAND_TIMEOUT_S = 15.0   # a stuck step fails after this; a healthy command takes < 1 s (a few on a busy machine)

@@ -24,6 +24,8 @@ from deployments.protocol import (ChatCompletionRequest, CompletionRequest, Deto
 from model.tiny import write_diffusion_gemma
 from tests.serve_harness import assert_openai_error, health, serving
 
+pytestmark = pytest.mark.shared_serve
+
 MODEL = "tiny"
 MAX_MODEL_LEN = 64
 STEPS_LIMIT = 64   # the servers' denoising_steps_limit: a random valid request stays seconds long on a CPU

@@ -13,6 +13,8 @@ from deployments.app import build_app
 from tests.serve_harness import (completions_url, greedy_choice, health, idle_and_healthy, serving, slow_stream_body,
                                  stats, wait_until)
 
+pytestmark = pytest.mark.shared_serve
+
 APP, MODEL = "load", "tiny"
 NUM_SLOTS, MAX_QUEUE = 4, 4
 REQUEST_BOUND_S = 120.0

@@ -17,7 +17,9 @@ from ray import serve
 from deployments.app import OpenAIIngress
 from deployments.args import AppArgs
 from model.checkpoint import Checkpoint
-from tests.serve_harness import assert_openai_error, start_serve, stop_serve
+from tests.serve_harness import assert_openai_error, delete_apps, shared_serve
+
+pytestmark = pytest.mark.shared_serve
 
 DELAY_S = 12.0
 
@@ -36,14 +38,14 @@ class WarmingCoordinator:
 
 @pytest.fixture(scope="module")
 def warming(tiny_nemotron):
-    port = start_serve()
+    port = shared_serve()
     try:
         args = AppArgs(model=str(tiny_nemotron)).model_dump()
         app = OpenAIIngress.bind(WarmingCoordinator.bind(DELAY_S), args, Checkpoint.read(tiny_nemotron))
         serve._run(app, name="warming", route_prefix="/warming", _blocking=False)   # not waiting for it to run
         yield f"http://127.0.0.1:{port}/warming", time.monotonic()
     finally:
-        stop_serve()
+        delete_apps()
 
 
 def test_health_is_503_while_warming_up_then_200(warming, tiny_nemotron):

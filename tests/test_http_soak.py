@@ -17,7 +17,7 @@ from deployments.app import build_app
 from model.tiny import write_diffusion_gemma
 from tests.serve_harness import app_processes, idle_and_healthy, rss_mib, serving, stats, wait_until
 
-pytestmark = pytest.mark.reliability
+pytestmark = [pytest.mark.reliability, pytest.mark.shared_serve]
 
 SOAK_S = float(os.environ.get("DLLM_SOAK_S", "600"))
 CLIENTS, NUM_SLOTS, MAX_QUEUE = 6, 4, 16   # never a 429: every error counts

@@ -11,14 +11,15 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from ray import serve
 
 from benchmarks import serve_bench
 from benchmarks.bench_prompts import load_tokenizer
 from benchmarks.bench_stats import RequestResult, chunk_gaps, format_report, summarize
 from benchmarks.request_mix import BUILTIN, MixError, load_mix
 from deployments.app import build_app
-from tests.serve_harness import start_serve, stop_serve
+from tests.serve_harness import serving
+
+pytestmark = pytest.mark.shared_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
@@ -184,11 +185,9 @@ def test_a_chunk_whose_tokens_decode_to_no_text_still_counts():
 
 @pytest.fixture(scope="module")
 def server(tiny_nemotron):
-    port = start_serve()
-    serve.run(build_app({"model": str(tiny_nemotron), "served_model_name": MODEL, "max_model_len": 256,
-                         "max_num_seqs": 4, "max_steps_per_command": 8}), name="bench", route_prefix="/bench")
-    yield f"http://127.0.0.1:{port}/bench"
-    stop_serve()
+    with serving({"bench": build_app({"model": str(tiny_nemotron), "served_model_name": MODEL, "max_model_len": 256,
+                                      "max_num_seqs": 4, "max_steps_per_command": 8})}) as port:
+        yield f"http://127.0.0.1:{port}/bench"
 
 
 def test_usage_reports_canvas_positions(server):

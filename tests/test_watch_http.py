@@ -17,21 +17,20 @@ from ray import serve
 from deployments.app import build_app
 from deployments.drafts import PLACEHOLDER, PREFIX
 from model.tiny import write_diffusion_gemma
-from tests.serve_harness import start_serve, stop_serve, wait_until
+from tests.serve_harness import serving, wait_until
+
+pytestmark = pytest.mark.shared_serve
 
 CHROMIUM = "/usr/bin/chromium"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_nemotron, tmp_path_factory):
-    port = start_serve()
-    serve.run(build_app({"model": str(tiny_nemotron), "served_model_name": "tiny", "max_model_len": 512,
-                         "max_num_seqs": 4, "max_steps_per_command": 8}), name="n", route_prefix="/n")
     gemma = write_diffusion_gemma(tmp_path_factory.mktemp("tiny-gemma-watch"), seed=0)
-    serve.run(build_app({"model": str(gemma), "served_model_name": "gemma", "max_model_len": 256}), name="g",
-              route_prefix="/g")
-    yield f"http://127.0.0.1:{port}"
-    stop_serve()
+    with serving({"n": build_app({"model": str(tiny_nemotron), "served_model_name": "tiny", "max_model_len": 512,
+                                  "max_num_seqs": 4, "max_steps_per_command": 8}),
+                  "g": build_app({"model": str(gemma), "served_model_name": "gemma", "max_model_len": 256})}) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 def client(url: str, app: str) -> openai.OpenAI:
