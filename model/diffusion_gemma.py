@@ -37,8 +37,10 @@ from torch import nn
 from model.attention import cached_attention, get_step_context, kv_rows
 from model.batch_invariant import linear
 from model.config import FULL, SLIDING, DiffusionGemmaConfig, LayerRope
+from model.fp8 import Quantized
 from model.fused import (add_gemma_rms_norm, gelu_mul, gelu_mul_quantized, gemma_feedforward_inputs,
-                         gemma_feedforward_out, gemma_qkv, gemma_rms_norm)
+                         gemma_feedforward_inputs_quantized, gemma_feedforward_out, gemma_qkv, gemma_rms_norm,
+                         gemma_rms_norm_quantized)
 from model.interface import KVLayout
 from model.moe import GemmaExperts, GemmaRouter
 from model.parallel.group import TPGroup
@@ -124,10 +126,10 @@ class GemmaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, reduce_results=False,
                                            fp8=quant.fp8("down_proj"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Quantized) -> torch.Tensor:
         h = self.gate_up_proj(x)
         if self.down_proj.fp8_kernels(h):   # FP8: the gated activation quantized in its own kernel
-            return self.down_proj(gelu_mul_quantized(h)).view(*x.shape[:-1], -1)
+            return self.down_proj(gelu_mul_quantized(h))
         return self.down_proj(gelu_mul(h))
 
 
@@ -150,10 +152,15 @@ class DiffusionGemmaDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, rope, layer_scalar: torch.Tensor) -> torch.Tensor:
         eps = self.input_layernorm.eps
-        h = add_gemma_rms_norm(h, self.self_attn(self.input_layernorm(h), rope), self.post_attention_layernorm.weight,
-                               eps)
+        # a norm that feeds FP8 kernels quantizes its output in its own kernel
+        if self.self_attn.qkv_proj.fp8_kernels(h):
+            x = gemma_rms_norm_quantized(h, self.input_layernorm.weight, eps)
+        else:
+            x = self.input_layernorm(h)
+        h = add_gemma_rms_norm(h, self.self_attn(x, rope), self.post_attention_layernorm.weight, eps)
         # pre_ff_norm(h), pre_ff_norm_2(h) and the router's norm, in one kernel
-        x_dense, x_moe, x_router = gemma_feedforward_inputs(
+        quantized = self.mlp.gate_up_proj.fp8_kernels(h) and self.experts.fp8_kernels(h)
+        x_dense, x_moe, x_router = (gemma_feedforward_inputs_quantized if quantized else gemma_feedforward_inputs)(
             h.reshape(-1, h.shape[-1]), self.pre_feedforward_layernorm.weight, self.pre_feedforward_layernorm_2.weight,
             self.router.scale, self.router.scalar_root_size, eps)
         weights, ids = self.router(x_router)

@@ -78,11 +78,17 @@ def kernels_take(x: torch.Tensor) -> bool:
 
 
 class Quantized(NamedTuple):
-    """Activations quantized per row, as the FP8 kernels read them (model.fused makes them in the kernel
-    that produces the activations)."""
-    q: torch.Tensor        # [rows, K] float8_e4m3fn
-    scale: torch.Tensor    # [rows] fp32
-    dtype: torch.dtype     # the activations' own dtype: the matmul's output's
+    """Activations [..., K] quantized per row, as the FP8 kernels read them (model.fused makes them in the
+    kernel that produces the activations: a norm or a gated activation)."""
+    q: torch.Tensor             # [rows, K] float8_e4m3fn
+    scale: torch.Tensor         # [rows] fp32
+    dtype: torch.dtype          # the activations' own dtype: the matmul's output's
+    lead: tuple[int, ...]       # the activations' leading dims: the matmul's output is [*lead, N]
+
+    @property
+    def shape(self) -> torch.Size:
+        """The activations' shape [*lead, K], as a layer that reads them sees it."""
+        return torch.Size((*self.lead, self.q.shape[-1]))
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:

@@ -186,37 +186,99 @@ def gelu_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- FP8-dynamic activations (model/fp8.py): quantized per row in the kernel that produces them ----
+# The FP8 kernels read activations as (rows, one scale a row). A norm or a gated activation that feeds
+# an FP8 projection returns them so, from the same kernel: no separate pass over the activations.
+# Each is the unquantized function's math, then model.fp8.quantize_per_token.
+
+def _per_row(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = quantize_per_token(y)
+    return q, scale.squeeze(-1)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
 
 @fused
 def _quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale = quantize_per_token(x)
-    return q, scale.squeeze(-1)
+    return _per_row(x)
 
 
 @fused
 def _silu_mul_quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     gate, up = x.chunk(2, dim=-1)
-    q, scale = quantize_per_token(F.silu(gate) * up)
-    return q, scale.squeeze(-1)
+    return _per_row(F.silu(gate) * up)
 
 
 @fused
 def _gelu_mul_quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     gate, up = x.chunk(2, dim=-1)
-    q, scale = quantize_per_token(F.gelu(gate, approximate="tanh") * up)
-    return q, scale.squeeze(-1)
+    return _per_row(F.gelu(gate, approximate="tanh") * up)
+
+
+@fused
+def _rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _per_row(_rms(x, weight, eps))
+
+
+@fused
+def _add_rms_norm_quantized(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    h = x + residual
+    return (h, *_per_row(_rms(h, weight, eps)))
+
+
+@fused
+def _gemma_rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _per_row(_gemma_rms(x, weight, eps))
+
+
+@fused
+def _gemma_feedforward_inputs_quantized(h: torch.Tensor, dense_weight: torch.Tensor, moe_weight: torch.Tensor,
+                                        router_scale: torch.Tensor, router_root: float, eps: float):
+    return (*_per_row(_gemma_rms(h, dense_weight, eps)), *_per_row(_gemma_rms(h, moe_weight, eps)),
+            _gemma_rms(h, None, eps) * router_scale * router_root)
 
 
 def quantize_rows(x: torch.Tensor) -> Quantized:
-    """x [..., K] -> its rows [rows, K] quantized per row (one kernel reading x once)."""
-    return Quantized(*_quantized_rows(x.reshape(-1, x.shape[-1])), x.dtype)
+    """x [..., K] quantized per row (one kernel reading x once): activations no kernel of ours produces
+    (the attention's output)."""
+    return Quantized(*_quantized_rows(_rows(x)), x.dtype, x.shape[:-1])
 
 
 def silu_mul_quantized(x: torch.Tensor) -> Quantized:
     """silu_mul(x) quantized per row, in silu_mul's kernel: the FP8 down projection's input."""
-    return Quantized(*_silu_mul_quantized(x.reshape(-1, x.shape[-1])), x.dtype)
+    return Quantized(*_silu_mul_quantized(_rows(x)), x.dtype, x.shape[:-1])
 
 
 def gelu_mul_quantized(x: torch.Tensor) -> Quantized:
     """gelu_mul(x) quantized per row, in gelu_mul's kernel: the FP8 down projection's input."""
-    return Quantized(*_gelu_mul_quantized(x.reshape(-1, x.shape[-1])), x.dtype)
+    return Quantized(*_gelu_mul_quantized(_rows(x)), x.dtype, x.shape[:-1])
+
+
+def rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Quantized:
+    """rms_norm(x) quantized per row, in the norm's kernel: an FP8 projection's input."""
+    return Quantized(*_rms_norm_quantized(_rows(x), weight, eps), x.dtype, x.shape[:-1])
+
+
+def add_rms_norm_quantized(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, Quantized]:
+    """add_rms_norm with the norm quantized per row, in one kernel: (x + residual, an FP8 projection's input)."""
+    h, q, scale = _add_rms_norm_quantized(_rows(x), _rows(residual), weight, eps)
+    return h.view_as(x), Quantized(q, scale, x.dtype, x.shape[:-1])
+
+
+def gemma_rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Quantized:
+    """gemma_rms_norm(x) quantized per row, in the norm's kernel: an FP8 projection's input."""
+    return Quantized(*_gemma_rms_norm_quantized(_rows(x), weight, eps), x.dtype, x.shape[:-1])
+
+
+def gemma_feedforward_inputs_quantized(h: torch.Tensor, dense_weight: torch.Tensor, moe_weight: torch.Tensor,
+                                       router_scale: torch.Tensor, router_root: float,
+                                       eps: float) -> tuple[Quantized, Quantized, torch.Tensor]:
+    """gemma_feedforward_inputs with the dense MLP's and the experts' inputs quantized per row, in the
+    same kernel (h [T, H]); the router's input stays unquantized (the router is BF16)."""
+    qd, sd, qm, sm, router = _gemma_feedforward_inputs_quantized(h, dense_weight, moe_weight, router_scale,
+                                                                 router_root, eps)
+    lead = h.shape[:-1]
+    return Quantized(qd, sd, h.dtype, lead), Quantized(qm, sm, h.dtype, lead), router

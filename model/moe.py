@@ -28,7 +28,7 @@ from torch import nn
 from model import batch_invariant
 from model.batch_invariant import row_sum, softmax
 from model.config import DiffusionGemmaConfig
-from model.fp8 import FP8, compute_dtype, dequantize, fake_quantize_per_token, kernels_take
+from model.fp8 import FP8, Quantized, compute_dtype, dequantize, fake_quantize_per_token, kernels_take
 from model.fused import gelu_mul, gelu_mul_quantized, quantize_rows
 from model.parallel.group import TPGroup
 from model.parallel.linear import (ReplicatedLinear, check_shape, copy_into, divide, new_param, new_scale,
@@ -134,25 +134,27 @@ class GemmaExperts(nn.Module):
         return (self.down_proj_scale is not None and self.hidden % 16 == 0 and self.intermediate % 16 == 0
                 and kernels_take(x))
 
-    def scaled(self, x: torch.Tensor, pairs: SortedPairs) -> torch.Tensor:
-        """Both projections through model.kernels.fp8: the tokens quantized once (every pair of a token
-        reads its row and scale), the gated activation quantized in its own kernel."""
+    def scaled(self, x: torch.Tensor | Quantized, pairs: SortedPairs) -> torch.Tensor:
+        """Both projections through model.kernels.fp8: the tokens quantized once (by their norm's kernel,
+        or here; every pair of a token reads its row and scale), the gated activation quantized in its
+        own kernel."""
         from model.kernels.fp8 import scaled_grouped   # triton: imported where CUDA runs it
 
-        a = quantize_rows(x)
+        a = x if isinstance(x, Quantized) else quantize_rows(x)
         gate_up = scaled_grouped(a.q, a.scale, self.gate_up_proj, self.gate_up_proj_scale, pairs.ends, pairs.token,
-                                 x.dtype, pairs.tile_map)
+                                 a.dtype, pairs.tile_map)
         h = gelu_mul_quantized(gate_up)
-        return scaled_grouped(h.q, h.scale, self.down_proj, self.down_proj_scale, pairs.ends, None, x.dtype,
+        return scaled_grouped(h.q, h.scale, self.down_proj, self.down_proj_scale, pairs.ends, None, a.dtype,
                               pairs.tile_map)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    def forward(self, x: torch.Tensor | Quantized, weights: torch.Tensor, ids: torch.Tensor,
                 shared: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H], weights/ids [T, k] (the router's); shared [T, H]: this rank's partial sum of another
-        branch of the same tokens (the layer's dense MLP) -> (shared, experts' output) [T, H] each, both
-        summed over the ranks in one all-reduce."""
+        """x [T, H] (or quantized by its norm, where fp8_kernels said so), weights/ids [T, k] (the
+        router's); shared [T, H]: this rank's partial sum of another branch of the same tokens (the
+        layer's dense MLP) -> (shared, experts' output) [T, H] each, both summed over the ranks in one
+        all-reduce."""
         pairs = sort_pairs(ids, self.num_experts)
-        if self.fp8_kernels(x):
+        if isinstance(x, Quantized) or self.fp8_kernels(x):
             y = self.scaled(x, pairs)
         else:
             h = gelu_mul(self.project(x, self.gate_up_proj, self.gate_up_proj_scale, pairs, gather=True))

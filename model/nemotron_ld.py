@@ -17,7 +17,9 @@ from torch import nn
 
 from model.attention import cached_attention, kv_rows
 from model.config import NemotronLabsDiffusionConfig
-from model.fused import add_rms_norm, rotary, silu_mul, silu_mul_quantized
+from model.fp8 import Quantized
+from model.fused import (add_rms_norm, add_rms_norm_quantized, rms_norm_quantized, rotary, silu_mul,
+                         silu_mul_quantized)
 from model.interface import KVLayout
 from model.layers import RMSNorm, RotaryEmbedding
 from model.parallel.group import TPGroup
@@ -59,10 +61,10 @@ class NemotronLDMLP(nn.Module):
                                                        fp8=quant.fp8("gate_proj", "up_proj"))
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, fp8=quant.fp8("down_proj"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Quantized) -> torch.Tensor:
         h = self.gate_up_proj(x)
         if self.down_proj.fp8_kernels(h):   # FP8: the gated activation quantized in its own kernel
-            return self.down_proj(silu_mul_quantized(h)).view(*x.shape[:-1], -1)
+            return self.down_proj(silu_mul_quantized(h))
         return self.down_proj(silu_mul(h))
 
 
@@ -77,12 +79,16 @@ class NemotronLDDecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the residual stream; delta: the previous sublayer's output, not yet added (None before the
         first layer) -> (h, delta) for the next layer."""
+        # a norm that feeds FP8 kernels quantizes its output in its own kernel
+        into_attn = self.self_attn.qkv_proj.fp8_kernels(h)
+        w, eps = self.input_layernorm.weight, self.input_layernorm.eps
         if delta is None:
-            x = self.input_layernorm(h)
+            x = rms_norm_quantized(h, w, eps) if into_attn else self.input_layernorm(h)
         else:
-            h, x = add_rms_norm(h, delta, self.input_layernorm.weight, self.input_layernorm.eps)
-        h, x = add_rms_norm(h, self.self_attn(x, rope), self.post_attention_layernorm.weight,
-                            self.post_attention_layernorm.eps)
+            h, x = (add_rms_norm_quantized if into_attn else add_rms_norm)(h, delta, w, eps)
+        add_norm = add_rms_norm_quantized if self.mlp.gate_up_proj.fp8_kernels(h) else add_rms_norm
+        h, x = add_norm(h, self.self_attn(x, rope), self.post_attention_layernorm.weight,
+                        self.post_attention_layernorm.eps)
         return h, self.mlp(x)
 
 

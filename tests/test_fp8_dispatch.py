@@ -12,6 +12,7 @@ import contextlib
 import pytest
 import torch
 
+import model.fused
 import model.kernels.fp8
 import model.moe
 import model.parallel.linear
@@ -32,8 +33,9 @@ def grouped_on_cpu(xq, sx, w, w_scale, ends, rows, out_dtype, tile_map=None):
 
 @contextlib.contextmanager
 def kernels_on_cpu(calls: list):
-    """kernels_take says yes on the CPU; the grouped kernel is grouped_on_cpu; calls records which ran."""
-    scaled_linear = model.kernels.fp8.scaled_linear
+    """kernels_take says yes on the CPU; the grouped kernel is grouped_on_cpu; calls records which ran,
+    and every activation quantized by a pass of its own ("rows", not in the kernel that produced it)."""
+    scaled_linear, quantize_rows = model.kernels.fp8.scaled_linear, model.fused.quantize_rows
 
     def linear(*args):
         calls.append("linear")
@@ -43,11 +45,17 @@ def kernels_on_cpu(calls: list):
         calls.append("grouped")
         return grouped_on_cpu(*args)
 
+    def rows(x):
+        calls.append("rows")
+        return quantize_rows(x)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model.parallel.linear, "kernels_take", lambda x: True)
         mp.setattr(model.moe, "kernels_take", lambda x: True)
         mp.setattr(model.kernels.fp8, "scaled_linear", linear)
         mp.setattr(model.kernels.fp8, "scaled_grouped", grouped)
+        mp.setattr(model.parallel.linear, "quantize_rows", rows)
+        mp.setattr(model.moe, "quantize_rows", rows)
         yield
 
 
@@ -62,10 +70,12 @@ def test_the_kernels_path_is_the_reference_path(family, tiny_fp8_nemotron, tiny_
         got = schedule(net, TPGroup())
     layers = net.config.num_hidden_layers
     # every FP8 layer of every forward took the kernels: q/k/v, o, gate/up, down; DiffusionGemma's
-    # two expert projections, its dense MLP and attention (its routers and self-conditioning stay BF16)
-    per_forward = {"linear": 4 * layers, "grouped": 2 * layers if family == "gemma" else 0}
-    assert calls.count("linear") == per_forward["linear"] * len(got)
-    assert calls.count("grouped") == per_forward["grouped"] * len(got)
+    # two expert projections, its dense MLP and attention (its routers and self-conditioning stay BF16).
+    # Only the attention's output is quantized by a pass of its own: the norms and the gated activations
+    # quantize theirs in their own kernels.
+    per_forward = {"linear": 4 * layers, "grouped": 2 * layers if family == "gemma" else 0, "rows": layers}
+    for kind, n in per_forward.items():
+        assert calls.count(kind) == n * len(got), kind
     for i, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max(), f"forward {i}: {(a - b).abs().max():.3g}"
 

@@ -44,6 +44,45 @@ def test_quantize_rows_is_the_reference_rounding():
     assert ((got - ref).abs() <= step)[differ].all()
 
 
+def _close_to(a, y: torch.Tensor) -> None:
+    """Quantized rows `a` dequantize to y [rows, K] (the unfused function's bf16 output) within one FP8
+    step (e4m3: 3 mantissa bits, so 2^-3 relative; 2^-9 of the scale below the normals) plus y's own bf16
+    rounding, which the fused kernel may skip (inductor keeps its intermediates in fp32). A wrong norm,
+    weight or scale is off by far more."""
+    from model.fp8 import dequantize
+
+    assert a.q.shape == y.shape and a.scale.shape == y.shape[:1] and a.dtype == y.dtype
+    got, y = dequantize(a.q, a.scale[:, None], torch.float32).cpu(), y.float().cpu()
+    bound = y.abs() * (2 ** -3 + 2 ** -8) + a.scale.cpu()[:, None] * 2 ** -9
+    assert ((got - y).abs() <= bound).all(), (got - y).abs().max()
+
+
+def test_norms_and_activations_quantize_their_outputs_in_their_kernels():
+    """model.fused's producer-fused quantizations (compiled by inductor) against the unfused function
+    followed by the reference quantization."""
+    from model import fused
+
+    gen = torch.Generator().manual_seed(5)
+    x, r = ((torch.randn(2, 37, 2816, generator=gen) * 3).to(torch.bfloat16).cuda() for _ in "xr")
+    w1, w2 = ((torch.rand(2816, generator=gen) + 0.5).to(torch.bfloat16).cuda() for _ in "12")
+    scale = torch.rand(2816, generator=gen).to(torch.bfloat16).cuda()
+    rows = lambda t: t.reshape(-1, t.shape[-1])   # noqa: E731
+    _close_to(fused.rms_norm_quantized(x, w1, 1e-5), rows(fused.rms_norm(x, w1, 1e-5)))
+    h, a = fused.add_rms_norm_quantized(x, r, w1, 1e-5)
+    h_ref, y = fused.add_rms_norm(x, r, w1, 1e-5)
+    assert torch.equal(h, h_ref) and a.shape == x.shape
+    _close_to(a, rows(y))
+    _close_to(fused.gemma_rms_norm_quantized(x, w1, 1e-6), rows(fused.gemma_rms_norm(x, w1, 1e-6)))
+    dense, moe, router = fused.gemma_feedforward_inputs_quantized(rows(x), w1, w2, scale, 2816 ** -0.5, 1e-6)
+    dense_ref, moe_ref, router_ref = fused.gemma_feedforward_inputs(rows(x), w1, w2, scale, 2816 ** -0.5, 1e-6)
+    _close_to(dense, dense_ref)
+    _close_to(moe, moe_ref)
+    torch.testing.assert_close(router, router_ref)
+    gate_up = torch.cat([x, r], -1)
+    _close_to(fused.silu_mul_quantized(gate_up), rows(fused.silu_mul(gate_up)))
+    _close_to(fused.gelu_mul_quantized(gate_up), rows(fused.gelu_mul(gate_up)))
+
+
 @pytest.mark.parametrize("m", [1, 32, 37, 256])
 def test_scaled_linear_equals_the_reference(m):
     """torch._scaled_mm with row and channel scales = the reference's fp32 product of the same FP8

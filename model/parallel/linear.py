@@ -91,14 +91,13 @@ class LinearBase(nn.Module):
                 and kernels_take(x))
 
     def matmul(self, x: torch.Tensor | Quantized) -> torch.Tensor:
-        """x [..., in] -> [..., out]; or activations already quantized in their producer (only where
-        `fp8_kernels` said so) [rows, in] -> [rows, out]."""
+        """x [..., in] -> [..., out]; x may be activations already quantized in their producer (only where
+        `fp8_kernels` said so)."""
         if isinstance(x, Quantized) or self.fp8_kernels(x):
             from model.kernels.fp8 import scaled_linear   # triton: imported where CUDA runs it
 
             a = x if isinstance(x, Quantized) else quantize_rows(x)
-            y = scaled_linear(a.q, a.scale, self.weight, self.weight_scale, a.dtype)
-            return y if isinstance(x, Quantized) else y.view(*x.shape[:-1], self.output_size)
+            return scaled_linear(a.q, a.scale, self.weight, self.weight_scale, a.dtype).view(*a.lead, self.output_size)
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale)
         return linear(x, self.weight)
