@@ -7,7 +7,7 @@ arrive.
     y_t         = (xq * sx) (Wq * sw)^T
 
 The functions below are the reference that every device without FP8 tensor cores runs (the CPU; also
-CUDA in the batch-invariant mode), and that the FP8 kernels (model/kernels/fp8.py, where `kernels_take`)
+CUDA for fp32 and fp64 models), and that the FP8 kernels (model/kernels/fp8.py, where `kernels_take`)
 reproduce up to their summation order: they round the activations to FP8 in
 fp32 exactly as compressed-tensors' dynamic token quantization does (x / sx; vLLM's kernels multiply by
 1 / sx instead, which moves a value across an FP8 rounding boundary a few times in 10^7), with vLLM's
@@ -25,7 +25,6 @@ from typing import NamedTuple
 
 import torch
 
-from model import batch_invariant
 from model.batch_invariant import linear
 
 FP8 = torch.float8_e4m3fn
@@ -70,10 +69,10 @@ def fake_quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 
 def kernels_take(x: torch.Tensor) -> bool:
-    """Whether activations x go through the FP8 kernels (model.kernels.fp8): 16-bit activations on a GPU
-    with FP8 tensor cores (compute capability 8.9+), outside the batch-invariant mode. Elsewhere the
-    reference below runs."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not batch_invariant.enabled()
+    """Whether activations x go through the FP8 kernels (model.kernels.fp8; in the batch-invariant mode,
+    its fixed-order ones): 16-bit activations on a GPU with FP8 tensor cores (compute capability 8.9+).
+    Elsewhere the reference below runs."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 

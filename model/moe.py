@@ -141,11 +141,12 @@ class GemmaExperts(nn.Module):
         from model.kernels.fp8 import scaled_grouped   # triton: imported where CUDA runs it
 
         a = x if isinstance(x, Quantized) else quantize_rows(x)
+        invariant = batch_invariant.enabled()
         gate_up = scaled_grouped(a.q, a.scale, self.gate_up_proj, self.gate_up_proj_scale, pairs.ends, pairs.token,
-                                 a.dtype, pairs.tile_map)
+                                 a.dtype, pairs.tile_map, invariant)
         h = gelu_mul_quantized(gate_up)
         return scaled_grouped(h.q, h.scale, self.down_proj, self.down_proj_scale, pairs.ends, None, a.dtype,
-                              pairs.tile_map)
+                              pairs.tile_map, invariant)
 
     def forward(self, x: torch.Tensor | Quantized, weights: torch.Tensor, ids: torch.Tensor,
                 shared: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -50,9 +50,66 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
 print("invariant kernels ok")
 """
 
+FP8_CHECK = r"""
+import torch
+from model.fp8 import dequantize, quantize_per_channel, quantize_per_token
+from model.kernels import fp8, invariant as K
+
+torch.manual_seed(0)
+
+def fp8_rows(rows, k):
+    x = torch.randn(rows, k) * torch.rand(rows, 1) * 4
+    x[1] = 0                                         # a row of zeros: the scale's floor
+    q, s = quantize_per_token(x)
+    return q, s[:, 0]
+
+def close(y, ref, what):   # the products are exact; fp32 sums in another order, then one rounding
+    err = ((y.double() - ref).abs() / (ref.abs() + ref.abs().max() * 1e-3)).max().item()
+    assert err < 2 ** -7, (what, err)
+
+for n, k in ((160, 2048), (48, 256)):               # 4 K-splits of 128-deep chunks; one split
+    w, sw = quantize_per_channel(torch.randn(n, k) * 0.02)
+    xq, sx = fp8_rows(70, k)
+    assert K.k_splits(n, k, xq.device, K.FP8_MATMUL_TILES) == (4 if k == 2048 else 1)
+    y = fp8.scaled_linear(xq, sx, w, sw.float(), torch.bfloat16, invariant=True)
+    assert y.dtype == torch.bfloat16 and y.shape == (70, n)
+    ref = dequantize(xq, sx[:, None], torch.float64) @ dequantize(w, sw, torch.float64).T
+    close(y, ref, ("dense", n, k))
+    assert (y[1] == 0).all()
+    for lo, hi in ((5, 6), (3, 40), (0, 70)):        # row 5 alone, among 37 rows, among all 70
+        got = fp8.scaled_linear(xq[lo:hi], sx[lo:hi], w, sw.float(), torch.bfloat16, invariant=True)
+        assert torch.equal(got[5 - lo], y[5]), ("dense", n, k, lo, hi)
+
+E, N, D = 6, 40, 256
+w, sw = quantize_per_channel(torch.randn(E, N, D) * 0.02)
+sw = sw[..., 0].float()
+counts = torch.tensor([3, 0, 70, 1, 7, 0])           # an empty expert, one spanning two 64-row tiles
+ends = torch.cumsum(counts, 0).to(torch.int32)
+xq, sx = fp8_rows(int(counts.sum()), D)
+y = fp8.grouped_in_triton(xq, sx, w, sw, ends, None, torch.bfloat16)
+group = torch.repeat_interleave(torch.arange(E), counts)
+ref = torch.einsum("ni,noi->no", dequantize(xq, sx[:, None], torch.float64),
+                   dequantize(w, sw[..., None], torch.float64)[group])
+close(y, ref, "grouped")
+alone = torch.tensor([0, 0, 1, 1, 1, 1], dtype=torch.int32)   # row 40 (expert 2's 38th) alone
+assert torch.equal(fp8.grouped_in_triton(xq[40:41], sx[40:41], w, sw, alone, None, torch.bfloat16), y[40:41])
+tokens = torch.randint(0, 11, (len(xq),))                      # rows (and their scales) gathered in the kernel
+source_q, source_s = fp8_rows(11, D)
+assert torch.equal(fp8.scaled_grouped(source_q, source_s, w, sw, ends, tokens, torch.bfloat16, invariant=True),
+                   fp8.grouped_in_triton(source_q[tokens], source_s[tokens], w, sw, ends, None, torch.bfloat16))
+print("fp8 invariant kernels ok")
+"""
+
 
 def test_invariant_kernels_in_the_interpreter():
     run_interpreted(KERNEL_CHECK, "invariant kernels ok")
+
+
+def test_fp8_operands_in_the_interpreter():
+    """The same kernels with FP8-dynamic operands (model.kernels.fp8 runs them for the experts at few rows
+    per expert, and for every FP8 layer in the batch-invariant mode): the reference's products summed in
+    fp32 and the two scales applied, a row's bits the same alone and in a batch, rows and scales gathered."""
+    run_interpreted(FP8_CHECK, "fp8 invariant kernels ok")
 
 
 def ordered_sum_worker(rank: int, world_size: int, out_dir: str) -> None:

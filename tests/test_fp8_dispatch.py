@@ -16,13 +16,14 @@ import model.fused
 import model.kernels.fp8
 import model.moe
 import model.parallel.linear
+from model.batch_invariant import batch_invariant
 from model.fp8 import dequantize
 from model.loader import load_model
 from model.parallel.group import TPGroup
 from tests.fp8_reference import schedule
 
 
-def grouped_on_cpu(xq, sx, w, w_scale, ends, rows, out_dtype, tile_map=None):
+def grouped_on_cpu(xq, sx, w, w_scale, ends, rows, out_dtype, tile_map=None, invariant=False):
     """model.kernels.fp8.scaled_grouped's contract, dequantized: each sorted row times its expert."""
     x = dequantize(xq, sx[:, None], torch.float32)
     if rows is not None:
@@ -33,16 +34,17 @@ def grouped_on_cpu(xq, sx, w, w_scale, ends, rows, out_dtype, tile_map=None):
 
 @contextlib.contextmanager
 def kernels_on_cpu(calls: list):
-    """kernels_take says yes on the CPU; the grouped kernel is grouped_on_cpu; calls records which ran,
-    and every activation quantized by a pass of its own ("rows", not in the kernel that produced it)."""
+    """kernels_take says yes on the CPU; the grouped kernel is grouped_on_cpu; calls records which ran
+    ("/invariant": asked for the fixed-order kernels, which run as the others do here), and every
+    activation quantized by a pass of its own ("rows", not in the kernel that produced it)."""
     scaled_linear, quantize_rows = model.kernels.fp8.scaled_linear, model.fused.quantize_rows
 
-    def linear(*args):
-        calls.append("linear")
-        return scaled_linear(*args)
+    def linear(xq, sx, w, w_scale, out_dtype, invariant=False):
+        calls.append("linear/invariant" if invariant else "linear")
+        return scaled_linear(xq, sx, w, w_scale, out_dtype)
 
     def grouped(*args):
-        calls.append("grouped")
+        calls.append("grouped/invariant" if args[8:] and args[8] else "grouped")
         return grouped_on_cpu(*args)
 
     def rows(x):
@@ -79,3 +81,15 @@ def test_the_kernels_path_is_the_reference_path(family, tiny_fp8_nemotron, tiny_
     for i, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max(), f"forward {i}: {(a - b).abs().max():.3g}"
 
+
+
+def test_the_batch_invariant_mode_asks_for_the_fixed_order_kernels(tiny_fp8_gemma):
+    """In the batch-invariant mode every FP8 layer asks model.kernels.fp8 for its fixed-order kernels
+    (tests/test_batch_invariant.py runs those in the interpreter), none for cuBLAS's or CUTLASS's."""
+    net = load_model(tiny_fp8_gemma, show_progress=False)
+    calls = []
+    with kernels_on_cpu(calls), batch_invariant():
+        got = schedule(net, TPGroup())
+    layers = net.config.num_hidden_layers
+    assert calls.count("linear/invariant") == 4 * layers * len(got) and "linear" not in calls
+    assert calls.count("grouped/invariant") == 2 * layers * len(got) and "grouped" not in calls

@@ -192,3 +192,20 @@ def test_fp8_engine_in_cuda_graphs(family, tiny_fp8_nemotron, tiny_fp8_gemma):
         total += len(x.output)
         same += sum(a == b for a, b in zip(g.output, x.output))
     assert same >= 0.8 * total
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_fp8_models_keep_a_requests_bits_among_neighbours_in_the_batch_invariant_mode(family, tiny_fp8_nemotron,
+                                                                                      tiny_fp8_gemma):
+    """The batch-invariant mode with FP8 weights (model.kernels.invariant's kernels with FP8 operands, the
+    norms' and activations' quantizations row by row): a probe alone and among neighbours, the same tokens
+    and logprobs bit for bit (tests/test_gpu.py's comparisons, whose contrasts show the default kernels
+    differ)."""
+    from tests.test_gpu import _gemma_alone_and_together, _nemotron_alone_and_together
+
+    if family == "nemotron":
+        alone, together = _nemotron_alone_and_together(tiny_fp8_nemotron, batch_invariant=True)
+    else:
+        alone, together, _ = _gemma_alone_and_together(tiny_fp8_gemma, "bfloat16", batch_invariant=True)
+    assert together.output == alone.output
+    assert together.logprobs == alone.logprobs and together.top_logprobs == alone.top_logprobs

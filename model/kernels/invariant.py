@@ -12,6 +12,12 @@ here fixes its reduction order from what a row alone determines:
                   expert got.
   row_sum         sum (or sum of squares) over the last dim, one program per row in fixed-width chunks.
 
+matmul and grouped_matmul also take FP8-dynamic operands (model/fp8.py): FP8 rows with a scale each and
+an FP8 weight with a scale per output channel, multiplied on FP8 tensor cores into fp32, the two scales
+applied to each tile (each K-split) before it is stored:
+    y[m, n] = (sum_k xq[m, k] Wq[n, k]) * sx[m] * sw[n]
+The same tiles and order, so just as invariant (model.kernels.fp8 runs them for the FP8 layers).
+
 model.batch_invariant decides when they run; this module only computes.
 """
 from __future__ import annotations
@@ -40,6 +46,10 @@ class Tiles(NamedTuple):
 MATMUL_TILES = Tiles(128, 128, 64, 8, 3)
 # the experts at DiffusionGemma's batch 1-2 (16-32 rows per expert): 0.89x grouped_mm's time
 GROUPED_TILES = Tiles(64, 128, 64, 8, 3)
+# FP8 operands: 128 K a step (FP8 MMAs are 32 deep); the grouped tiles measured at 1.18x the weight read
+# of DiffusionGemma's FP8 experts at batch 1 (README.md), the dense ones not tuned
+FP8_MATMUL_TILES = Tiles(128, 128, 128, 8, 3)
+FP8_GROUPED_TILES = Tiles(64, 128, 128, 8, 3)
 MAX_SPLITS = 8
 ROWS_PER_LAUNCH = 512    # bounds the split-K workspace (splits x 512 x N fp32)
 ROW_BLOCK = 1024
@@ -58,9 +68,9 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit(do_not_specialize=["M"])
-def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, sos, som, son, K_PER_SPLIT: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                   INTERPRETED: tl.constexpr):
+def _matmul_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, sos, som, son,
+                   K_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   SCALED: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)   # int64: a 262144 x 8192 table passes 2^31 elements
     rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
@@ -75,6 +85,9 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, sos, som,
         if INTERPRETED:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if SCALED:   # this split's partial, scaled: the splits then add scaled partials in order
+        acc = (acc * tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[:, None]
+               * tl.load(ws_ptr + rn, mask=rn < N, other=0.0)[None, :])
     out = out_ptr + pid_s * sos + rm[:, None] * som + rn[None, :] * son
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -89,31 +102,38 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, S: tl.constexpr, BLOCK: tl.cons
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor, tiles: Tiles = MATMUL_TILES) -> torch.Tensor:
-    """x [..., K] @ w[N, K]^T -> [..., N] in x's dtype (w any strides: w may be a transposed view)."""
+def matmul(x: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None, x_scale: torch.Tensor | None = None,
+           w_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T -> [..., N] in x's dtype (w any strides: w may be a transposed view).
+    FP8 (module docstring): x and w float8_e4m3fn with x_scale [rows] and w_scale [N] (fp32), -> out_dtype."""
+    scaled = x_scale is not None
+    tiles = tiles or (FP8_MATMUL_TILES if scaled else MATMUL_TILES)
     n, k = w.shape
     rows = x.reshape(-1, k)
-    out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows.shape[0], n, dtype=out_dtype if scaled else x.dtype, device=x.device)
     splits = k_splits(n, k, x.device, tiles)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), tiles.k) * tiles.k
     for lo in range(0, rows.shape[0], ROWS_PER_LAUNCH):   # host-side shapes only: no sync
         a, y = rows[lo: lo + ROWS_PER_LAUNCH], out[lo: lo + ROWS_PER_LAUNCH]
+        a_scale = x_scale[lo: lo + ROWS_PER_LAUNCH] if scaled else a
         m = a.shape[0]
         target = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(m, tiles.m), triton.cdiv(n, tiles.n), splits)
-        _matmul_kernel[grid](a, w, target, m, n, k, a.stride(0), a.stride(1), w.stride(0), w.stride(1),
-                             target.stride(0) if splits > 1 else 0, n, 1, K_PER_SPLIT=k_per_split,
-                             BM=tiles.m, BN=tiles.n, BK=tiles.k, PRECISION=_precision(x.dtype),
-                             INTERPRETED=INTERPRETED, num_warps=tiles.warps, num_stages=tiles.stages)
+        _matmul_kernel[grid](a, a_scale, w, w_scale if scaled else w, target, m, n, k, a.stride(0), a.stride(1),
+                             w.stride(0), w.stride(1), target.stride(0) if splits > 1 else 0, n, 1,
+                             K_PER_SPLIT=k_per_split, BM=tiles.m, BN=tiles.n, BK=tiles.k, SCALED=scaled,
+                             PRECISION=_precision(x.dtype), INTERPRETED=INTERPRETED, num_warps=tiles.warps,
+                             num_stages=tiles.stages)
         if splits > 1:
             _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](target, y, m * n, S=splits, BLOCK=1024)
     return out.view(*x.shape[:-1], n)
 
 
 @triton.jit
-def _grouped_kernel(x_ptr, rows_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, ends_ptr, N, E,
+def _grouped_kernel(x_ptr, xs_ptr, rows_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, ends_ptr, N, E,
                     sxm, swe, swn, swk, som, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                    GATHER: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
     t, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + t)
     if e < E:  # tiles past the last expert's are spare (the grid is sized for the worst case)
@@ -134,6 +154,9 @@ def _grouped_kernel(x_ptr, rows_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_p
             if INTERPRETED:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if SCALED:   # a gathered row's scale is its token's
+            acc = (acc * tl.load(xs_ptr + src, mask=rm < row_end, other=0.0)[:, None]
+                   * tl.load(ws_ptr + e * N + rn, mask=rn < N, other=0.0)[None, :])
         tl.store(out_ptr + rm[:, None] * som + rn[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(rm[:, None] < row_end) & (rn[None, :] < N))
 
@@ -153,23 +176,30 @@ def make_tile_map(ends: torch.Tensor, num_tiles: int, block_m: int) -> tuple[tor
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, rows: torch.Tensor | None = None,
-                   tile_map: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   tiles: Tiles = GROUPED_TILES) -> torch.Tensor:
+                   tile_map: tuple[torch.Tensor, torch.Tensor] | None = None, tiles: Tiles | None = None,
+                   x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Rows of x [P, K] sorted by group, group g = rows [ends[g-1], ends[g]) -> x_g @ w[g]^T ([E, N, K]).
     With `rows` [P], the sorted problem's row i is x[rows[i]] (read in place: no gathered copy of x).
     The tile map (which expert, which first row of each tiles.m-row tile; model.kernels.routing makes it
-    with the sort) is made here on the device when not given: no sync, a grid of fixed size."""
+    with the sort) is made here on the device when not given, or when the given one is for another tile
+    height: no sync, a grid of fixed size. FP8 (module docstring): x and w float8_e4m3fn with x_scale
+    [T or P] (gathered with x's rows) and w_scale [E, N] (fp32), -> out_dtype."""
+    scaled = x_scale is not None
+    tiles = tiles or (FP8_GROUPED_TILES if scaled else GROUPED_TILES)
     x = x.contiguous()
     p, k = (x.shape[0] if rows is None else rows.shape[0]), x.shape[1]
     e, n, _ = w.shape
     max_tiles = triton.cdiv(p, tiles.m) + e   # sum ceil(c / BM) <= P / BM + E
-    expert, row = tile_map if tile_map is not None else make_tile_map(ends, max_tiles, tiles.m)
-    assert expert.shape[0] == max_tiles, "a tile map for another problem or tile height"
-    out = torch.empty(p, n, dtype=x.dtype, device=x.device)
+    if tile_map is None or tile_map[0].shape[0] != max_tiles:
+        tile_map = make_tile_map(ends, max_tiles, tiles.m)
+    expert, row = tile_map
+    out = torch.empty(p, n, dtype=out_dtype if scaled else x.dtype, device=x.device)
     _grouped_kernel[(max_tiles, triton.cdiv(n, tiles.n))](
-        x, x if rows is None else rows, w, out, expert, row, ends, n, e, x.stride(0), w.stride(0), w.stride(1),
-        w.stride(2), out.stride(0), K=k, BM=tiles.m, BN=tiles.n, BK=tiles.k, GATHER=rows is not None,
-        PRECISION=_precision(x.dtype), INTERPRETED=INTERPRETED, num_warps=tiles.warps, num_stages=tiles.stages)
+        x, x_scale if scaled else x, x if rows is None else rows, w, w_scale.contiguous() if scaled else w, out,
+        expert, row, ends, n, e, x.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), K=k,
+        BM=tiles.m, BN=tiles.n, BK=tiles.k, GATHER=rows is not None, SCALED=scaled, PRECISION=_precision(x.dtype),
+        INTERPRETED=INTERPRETED, num_warps=tiles.warps, num_stages=tiles.stages)
     return out
 
 

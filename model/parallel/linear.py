@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import batch_invariant
 from model.batch_invariant import linear
 from model.fp8 import FP8, Quantized, fp8_linear, kernels_take
 from model.fused import quantize_rows
@@ -97,7 +98,8 @@ class LinearBase(nn.Module):
             from model.kernels.fp8 import scaled_linear   # triton: imported where CUDA runs it
 
             a = x if isinstance(x, Quantized) else quantize_rows(x)
-            return scaled_linear(a.q, a.scale, self.weight, self.weight_scale, a.dtype).view(*a.lead, self.output_size)
+            y = scaled_linear(a.q, a.scale, self.weight, self.weight_scale, a.dtype, batch_invariant.enabled())
+            return y.view(*a.lead, self.output_size)
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale)
         return linear(x, self.weight)
