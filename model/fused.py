@@ -277,8 +277,8 @@ def gemma_feedforward_inputs_quantized(h: torch.Tensor, dense_weight: torch.Tens
                                        router_scale: torch.Tensor, router_root: float,
                                        eps: float) -> tuple[Quantized, Quantized, torch.Tensor]:
     """gemma_feedforward_inputs with the dense MLP's and the experts' inputs quantized per row, in the
-    same kernel (h [T, H]); the router's input stays unquantized (the router is BF16)."""
-    qd, sd, qm, sm, router = _gemma_feedforward_inputs_quantized(h, dense_weight, moe_weight, router_scale,
+    same kernel; the router's input stays unquantized (the router is BF16)."""
+    qd, sd, qm, sm, router = _gemma_feedforward_inputs_quantized(_rows(h), dense_weight, moe_weight, router_scale,
                                                                  router_root, eps)
     lead = h.shape[:-1]
-    return Quantized(qd, sd, h.dtype, lead), Quantized(qm, sm, h.dtype, lead), router
+    return Quantized(qd, sd, h.dtype, lead), Quantized(qm, sm, h.dtype, lead), router.view_as(h)

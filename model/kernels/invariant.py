@@ -16,7 +16,8 @@ matmul and grouped_matmul also take FP8-dynamic operands (model/fp8.py): FP8 row
 an FP8 weight with a scale per output channel, multiplied on FP8 tensor cores into fp32, the two scales
 applied to each tile (each K-split) before it is stored:
     y[m, n] = (sum_k xq[m, k] Wq[n, k]) * sx[m] * sw[n]
-The same tiles and order, so just as invariant (model.kernels.fp8 runs them for the FP8 layers).
+The same tiles and order, so just as invariant (model.kernels.fp8 runs them for the FP8 layers). The
+FP8 products are summed in fp32 chunk by chunk (`_imprecise_acc`).
 
 model.batch_invariant decides when they run; this module only computes.
 """
@@ -50,6 +51,8 @@ GROUPED_TILES = Tiles(64, 128, 64, 8, 3)
 # of DiffusionGemma's FP8 experts at batch 1 (README.md), the dense ones not tuned
 FP8_MATMUL_TILES = Tiles(128, 128, 128, 8, 3)
 FP8_GROUPED_TILES = Tiles(64, 128, 128, 8, 3)
+# model.kernels.routing makes the experts' tile map with the sort, for one tile height: both dtypes'
+assert FP8_GROUPED_TILES.m == GROUPED_TILES.m
 MAX_SPLITS = 8
 ROWS_PER_LAUNCH = 512    # bounds the split-K workspace (splits x 512 x N fp32)
 ROW_BLOCK = 1024
@@ -67,10 +70,25 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # "tf32" only names the default for 16-bit inputs
 
 
+def _imprecise_acc(scaled: bool, tiles: Tiles) -> int | None:
+    """FP8 dots: Hopper's FP8 MMAs add into a narrower accumulator than fp32, and triton lets one run over
+    the whole K loop; promoted to fp32 after every chunk instead (as cuBLAS's default, not fast
+    accumulation, does), a long K stays within fp32 summation of the reference. None: the default (16-bit)."""
+    return tiles.k if scaled else None
+
+
+def _scales(x_scale: torch.Tensor, w_scale: torch.Tensor, rows: int, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 scales as the kernels index them: contiguous fp32, one a row and one an output channel."""
+    x_scale, w_scale = x_scale.reshape(-1).float().contiguous(), w_scale.reshape(-1).float().contiguous()
+    assert x_scale.numel() == rows and w_scale.numel() == channels, (x_scale.shape, w_scale.shape, rows, channels)
+    return x_scale, w_scale
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, sos, som, son,
                    K_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   SCALED: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                   SCALED: tl.constexpr, IMPRECISE_ACC: tl.constexpr, PRECISION: tl.constexpr,
+                   INTERPRETED: tl.constexpr):
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)   # int64: a 262144 x 8192 table passes 2^31 elements
     rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
@@ -84,7 +102,7 @@ def _matmul_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, sxm, sxk, swn
                     other=0.0)
         if INTERPRETED:
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION, max_num_imprecise_acc=IMPRECISE_ACC)
     if SCALED:   # this split's partial, scaled: the splits then add scaled partials in order
         acc = (acc * tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[:, None]
                * tl.load(ws_ptr + rn, mask=rn < N, other=0.0)[None, :])
@@ -107,9 +125,12 @@ def matmul(x: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None, x_scale
     """x [..., K] @ w[N, K]^T -> [..., N] in x's dtype (w any strides: w may be a transposed view).
     FP8 (module docstring): x and w float8_e4m3fn with x_scale [rows] and w_scale [N] (fp32), -> out_dtype."""
     scaled = x_scale is not None
+    assert not scaled or out_dtype is not None, "FP8 operands: say the output's dtype"
     tiles = tiles or (FP8_MATMUL_TILES if scaled else MATMUL_TILES)
     n, k = w.shape
     rows = x.reshape(-1, k)
+    if scaled:
+        x_scale, w_scale = _scales(x_scale, w_scale, rows.shape[0], n)
     out = torch.empty(rows.shape[0], n, dtype=out_dtype if scaled else x.dtype, device=x.device)
     splits = k_splits(n, k, x.device, tiles)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), tiles.k) * tiles.k
@@ -122,8 +143,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None, x_scale
         _matmul_kernel[grid](a, a_scale, w, w_scale if scaled else w, target, m, n, k, a.stride(0), a.stride(1),
                              w.stride(0), w.stride(1), target.stride(0) if splits > 1 else 0, n, 1,
                              K_PER_SPLIT=k_per_split, BM=tiles.m, BN=tiles.n, BK=tiles.k, SCALED=scaled,
-                             PRECISION=_precision(x.dtype), INTERPRETED=INTERPRETED, num_warps=tiles.warps,
-                             num_stages=tiles.stages)
+                             IMPRECISE_ACC=_imprecise_acc(scaled, tiles), PRECISION=_precision(x.dtype),
+                             INTERPRETED=INTERPRETED, num_warps=tiles.warps, num_stages=tiles.stages)
         if splits > 1:
             _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](target, y, m * n, S=splits, BLOCK=1024)
     return out.view(*x.shape[:-1], n)
@@ -132,8 +153,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None, x_scale
 @triton.jit
 def _grouped_kernel(x_ptr, xs_ptr, rows_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, ends_ptr, N, E,
                     sxm, swe, swn, swk, som, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    GATHER: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr,
-                    INTERPRETED: tl.constexpr):
+                    GATHER: tl.constexpr, SCALED: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
+                    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     t, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + t)
     if e < E:  # tiles past the last expert's are spare (the grid is sized for the worst case)
@@ -153,7 +174,7 @@ def _grouped_kernel(x_ptr, xs_ptr, rows_ptr, w_ptr, ws_ptr, out_ptr, tile_expert
                         mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
             if INTERPRETED:
                 a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION, max_num_imprecise_acc=IMPRECISE_ACC)
         if SCALED:   # a gathered row's scale is its token's
             acc = (acc * tl.load(xs_ptr + src, mask=rm < row_end, other=0.0)[:, None]
                    * tl.load(ws_ptr + e * N + rn, mask=rn < N, other=0.0)[None, :])
@@ -186,20 +207,24 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, rows: t
     height: no sync, a grid of fixed size. FP8 (module docstring): x and w float8_e4m3fn with x_scale
     [T or P] (gathered with x's rows) and w_scale [E, N] (fp32), -> out_dtype."""
     scaled = x_scale is not None
+    assert not scaled or out_dtype is not None, "FP8 operands: say the output's dtype"
     tiles = tiles or (FP8_GROUPED_TILES if scaled else GROUPED_TILES)
     x = x.contiguous()
     p, k = (x.shape[0] if rows is None else rows.shape[0]), x.shape[1]
     e, n, _ = w.shape
+    if scaled:
+        x_scale, w_scale = _scales(x_scale, w_scale, x.shape[0], e * n)
     max_tiles = triton.cdiv(p, tiles.m) + e   # sum ceil(c / BM) <= P / BM + E
     if tile_map is None or tile_map[0].shape[0] != max_tiles:
         tile_map = make_tile_map(ends, max_tiles, tiles.m)
     expert, row = tile_map
     out = torch.empty(p, n, dtype=out_dtype if scaled else x.dtype, device=x.device)
     _grouped_kernel[(max_tiles, triton.cdiv(n, tiles.n))](
-        x, x_scale if scaled else x, x if rows is None else rows, w, w_scale.contiguous() if scaled else w, out,
+        x, x_scale if scaled else x, x if rows is None else rows, w, w_scale if scaled else w, out,
         expert, row, ends, n, e, x.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), K=k,
-        BM=tiles.m, BN=tiles.n, BK=tiles.k, GATHER=rows is not None, SCALED=scaled, PRECISION=_precision(x.dtype),
-        INTERPRETED=INTERPRETED, num_warps=tiles.warps, num_stages=tiles.stages)
+        BM=tiles.m, BN=tiles.n, BK=tiles.k, GATHER=rows is not None, SCALED=scaled,
+        IMPRECISE_ACC=_imprecise_acc(scaled, tiles), PRECISION=_precision(x.dtype), INTERPRETED=INTERPRETED,
+        num_warps=tiles.warps, num_stages=tiles.stages)
     return out
 
 
