@@ -204,23 +204,28 @@ def nemotron(work: Path, bandwidth: float, result: dict, skip: set[str]) -> None
         result["P2"] = served["denoising_steps_per_s"] / one["denoising_steps_per_s"]
 
 
+def step_cases(work: Path) -> dict:
+    """family -> (model dir, slots, max_model_len, {batch: prompts}, params): the batches the FP8 rows and
+    P5 (tp_bench's) time a step at."""
+    gen = torch.Generator().manual_seed(0)
+    prompt = [1] + list(range(1000, 1015))
+    long_prompts = [[2] + torch.randint(10, 262144, (1023,), generator=gen).tolist() for _ in range(4)]
+    return {"nemotron": (write_shapes(work / "nemotron-ld-8b"), 16, 1024,
+                         {1: [prompt], 16: [prompt[:-1] + [2000 + i] for i in range(16)]},
+                         DecodeParams(temperature=0, max_tokens=256, ignore_eos=True, policy="low_confidence",
+                                      max_denoising_steps=32, seed_first_position=False)),
+            "gemma": (write_diffusion_gemma_shapes(work / "diffusion-gemma-26b-a4b"), 4, 2048,
+                      {1: long_prompts[:1], 4: long_prompts},
+                      DecodeParams(max_tokens=768, seed=1, ignore_eos=True, max_denoising_steps=16,
+                                   confidence_threshold=0.0))}
+
+
 def fp8(work: Path, bandwidth: float, result: dict, skip: set[str]) -> None:
     """Both families' FP8-dynamic shapes (benchmarks/shapes.write_fp8_dynamic): P1 against the bytes an FP8
     forward reads (FP8 weights, BF16 pieces included), FP8 / BF16 step times at the BF16 rows' batches
     (DiffusionGemma at 1 and 4 canvases, the 8B at 1 and 16), the FP8 DiffusionGemma step's profile."""
     out = result.setdefault("fp8", {})
-    nemo_params = DecodeParams(temperature=0, max_tokens=256, ignore_eos=True, policy="low_confidence",
-                               max_denoising_steps=32, seed_first_position=False)
-    prompt = [1] + list(range(1000, 1015))
-    gen = torch.Generator().manual_seed(0)
-    long_prompts = [[2] + torch.randint(10, 262144, (1023,), generator=gen).tolist() for _ in range(4)]
-    gemma_params = DecodeParams(max_tokens=768, seed=1, ignore_eos=True, max_denoising_steps=16,
-                                confidence_threshold=0.0)
-    cases = {"nemotron": (write_shapes(work / "nemotron-ld-8b"), 16, 1024,
-                          {1: [prompt], 16: [prompt[:-1] + [2000 + i] for i in range(16)]}, nemo_params),
-             "gemma": (write_diffusion_gemma_shapes(work / "diffusion-gemma-26b-a4b"), 4, 2048,
-                       {1: long_prompts[:1], 4: long_prompts}, gemma_params)}
-    for name, (shapes, slots, max_len, batches, params) in cases.items():
+    for name, (shapes, slots, max_len, batches, params) in step_cases(work).items():
         if name in skip:
             continue
         for dtype, model_dir in (("bf16", shapes), ("fp8", write_fp8_dynamic(shapes, work / f"{shapes.name}-fp8"))):
@@ -232,9 +237,8 @@ def fp8(work: Path, bandwidth: float, result: dict, skip: set[str]) -> None:
                 steps += [run_requests(runner, prompts, params)["steady_step_s"] for _ in range(STEADY_REPEATS // 2)]
                 row[f"batch{b}_step_s"] = statistics.median(steps)
             row["P1"] = row["batch1_step_s"] / row["floor_s"]
-            if dtype == "fp8" and name == "gemma" and "profile" not in skip:
-                one_canvas = gemma_params.model_copy(update={"max_tokens": 256})
-                row["profile"] = profile_step(runner, long_prompts[0], one_canvas)
+            if dtype == "fp8" and name == "gemma" and "profile" not in skip:   # one canvas
+                row["profile"] = profile_step(runner, batches[1][0], params.model_copy(update={"max_tokens": 256}))
             del runner
             free_cuda()
         rows = out[name]
@@ -367,21 +371,6 @@ def runner_of(model_dir: Path, num_slots: int, max_model_len: int, batch_invaria
 
 # ---- P5: tensor parallelism ---------------------------------------------------------------------------
 
-def tp_cases(work: Path) -> dict:
-    """family -> (model dir, slots, max_model_len, {batch: prompts}, params), the batches of tp_bench."""
-    gen = torch.Generator().manual_seed(0)
-    prompt = [1] + list(range(1000, 1015))
-    long_prompts = [[2] + torch.randint(10, 262144, (1023,), generator=gen).tolist() for _ in range(4)]
-    return {"nemotron": (write_shapes(work / "nemotron-ld-8b"), 16, 1024,
-                         {1: [prompt], 16: [prompt[:-1] + [2000 + i] for i in range(16)]},
-                         DecodeParams(temperature=0, max_tokens=256, ignore_eos=True, policy="low_confidence",
-                                      max_denoising_steps=32, seed_first_position=False)),
-            "gemma": (write_diffusion_gemma_shapes(work / "diffusion-gemma-26b-a4b"), 4, 2048,
-                      {1: long_prompts[:1], 4: long_prompts},
-                      DecodeParams(max_tokens=768, seed=1, ignore_eos=True, max_denoising_steps=16,
-                                   confidence_threshold=0.0))}
-
-
 def tp_measure(tp: TPGroup, device: str, cases: dict, profile: bool) -> dict:
     """On one rank: each family's steady step time per batch (the median of 3 timed runs), and with
     `profile` a step's profile. Every rank runs the same scheduler on the same events, so in lockstep."""
@@ -418,7 +407,7 @@ def tensor_parallel(work: Path, result: dict, skip: set[str]) -> None:
     if reason is not None:
         result["P5"] = {"skipped": reason}
         return
-    cases = {f: c for f, c in tp_cases(work).items() if f not in skip}
+    cases = {f: c for f, c in step_cases(work).items() if f not in skip}
     p5 = result["P5"] = {}
     for family, steps in tp_measure(TPGroup(), "cuda", cases, profile=False).items():
         p5[family] = {"tp1": steps}

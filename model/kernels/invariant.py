@@ -203,8 +203,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, rows: t
     """Rows of x [P, K] sorted by group, group g = rows [ends[g-1], ends[g]) -> x_g @ w[g]^T ([E, N, K]).
     With `rows` [P], the sorted problem's row i is x[rows[i]] (read in place: no gathered copy of x).
     The tile map (which expert, which first row of each tiles.m-row tile; model.kernels.routing makes it
-    with the sort) is made here on the device when not given, or when the given one is for another tile
-    height: no sync, a grid of fixed size. FP8 (module docstring): x and w float8_e4m3fn with x_scale
+    with the sort) is made here on the device when not given: no sync, a grid of fixed size. FP8 (module docstring): x and w float8_e4m3fn with x_scale
     [T or P] (gathered with x's rows) and w_scale [E, N] (fp32), -> out_dtype."""
     scaled = x_scale is not None
     assert not scaled or out_dtype is not None, "FP8 operands: say the output's dtype"
@@ -215,9 +214,8 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, rows: t
     if scaled:
         x_scale, w_scale = _scales(x_scale, w_scale, x.shape[0], e * n)
     max_tiles = triton.cdiv(p, tiles.m) + e   # sum ceil(c / BM) <= P / BM + E
-    if tile_map is None or tile_map[0].shape[0] != max_tiles:
-        tile_map = make_tile_map(ends, max_tiles, tiles.m)
-    expert, row = tile_map
+    expert, row = tile_map if tile_map is not None else make_tile_map(ends, max_tiles, tiles.m)
+    assert expert.shape[0] == max_tiles, "a tile map for another problem or tile height"
     out = torch.empty(p, n, dtype=out_dtype if scaled else x.dtype, device=x.device)
     _grouped_kernel[(max_tiles, triton.cdiv(n, tiles.n))](
         x, x_scale if scaled else x, x if rows is None else rows, w, w_scale if scaled else w, out,
