@@ -82,7 +82,6 @@ def test_the_kernels_path_is_the_reference_path(family, tiny_fp8_nemotron, tiny_
         assert (a - b).abs().max() <= 1e-4 * b.abs().max(), f"forward {i}: {(a - b).abs().max():.3g}"
 
 
-
 def test_the_batch_invariant_mode_asks_for_the_fixed_order_kernels(tiny_fp8_gemma):
     """In the batch-invariant mode every FP8 layer asks model.kernels.fp8 for its fixed-order kernels
     (tests/test_batch_invariant.py runs those in the interpreter), none for cuBLAS's or CUTLASS's."""
