@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-reliability test-gpu lint clean
+.PHONY: test test-reliability test-gpu compile-h200 lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -29,6 +29,12 @@ test-reliability: $(STAMP)
 # On the GPU host (no registry there): the host's own torch/transformers, Ray from the offline bundle.
 test-gpu:
 	python3 -m pytest -q -m gpu tests
+
+# No GPU needed: every triton kernel compiled for an H200 (sm_90) by triton's own compiler and ptxas, over
+# all the calls the served full-size models make, checked against the H200's shared memory and for
+# register spills (tests/hopper_kernels.py; `make test` runs its --quick subset). About 8 minutes cold.
+compile-h200: $(STAMP)
+	$(PY) -m tests.hopper_kernels $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -37,10 +37,11 @@ DIFFUSION_GEMMA_GENERATION = {
 }
 
 
-def write_shapes(outdir: Path, config: dict = NEMOTRON_LD_8B) -> Path:
+def write_shapes(outdir: Path, config: dict = NEMOTRON_LD_8B, tokenizer: bool = True) -> Path:
+    """`tokenizer=False`: config.json only (what building the model reads)."""
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "config.json").write_text(json.dumps(config, indent=2))
-    if not (outdir / "tokenizer.json").is_file():
+    if tokenizer and not (outdir / "tokenizer.json").is_file():
         s = NEMOTRON_LD_SPECIAL_TOKENS
         build_tiny_tokenizer(outdir, vocab_size=config["vocab_size"], special_tokens=s, bos_token=s[1],
                              eos_token=s[2], pad_token=None, mask_token=s[100],
@@ -49,8 +50,9 @@ def write_shapes(outdir: Path, config: dict = NEMOTRON_LD_8B) -> Path:
 
 
 def write_diffusion_gemma_shapes(outdir: Path, text: dict = DIFFUSION_GEMMA_26B_A4B_TEXT,
-                                 canvas_length: int = 256) -> Path:
-    """config.json as transformers' DiffusionGemmaConfig writes it (so its own classes read it too)."""
+                                 canvas_length: int = 256, tokenizer: bool = True) -> Path:
+    """config.json as transformers' DiffusionGemmaConfig writes it (so its own classes read it too);
+    `tokenizer=False`: no tokenizer."""
     from transformers import DiffusionGemmaConfig
 
     outdir.mkdir(parents=True, exist_ok=True)
@@ -60,7 +62,7 @@ def write_diffusion_gemma_shapes(outdir: Path, text: dict = DIFFUSION_GEMMA_26B_
     generation = {"bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"],
                   "pad_token_id": text["pad_token_id"], **DIFFUSION_GEMMA_GENERATION}
     (outdir / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    if not (outdir / "tokenizer.json").is_file():
+    if tokenizer and not (outdir / "tokenizer.json").is_file():
         s = DIFFUSION_GEMMA_SPECIAL_TOKENS
         build_tiny_tokenizer(outdir, vocab_size=text["vocab_size"], special_tokens=s, bos_token=s[2], eos_token=s[1],
                              pad_token=s[0], mask_token=None, chat_template=GEMMA_STYLE_CHAT_TEMPLATE)

@@ -53,13 +53,17 @@ TILES = {128: ((32, 64, 4, 2), (64, 64, 4, 2)), 256: ((128, 64, 8, 2), (128, 32,
 
 
 def _config(d: int, rows: int, batch: int, hkv: int, keys: int, device: torch.device,
-            invariant: bool) -> tuple[int, int, int, int, int]:
+            invariant: bool, itemsize: int = 2) -> tuple[int, int, int, int, int]:
     """(query rows, keys, warps, stages, splits) per program for `batch` x `hkv` kv heads of `rows`
     (query, head) pairs each over up to `keys` keys: TILES' first for a lone row, the second otherwise;
     keys split only while the programs are at most half the SMs, into as many splits as fit the SMs
     once (more make a second wave: 8 splits of a lone canvas at 256 took 66 us against 4's 46.5) and
-    >= MIN_SPLIT_KEYS keys each. Invariant: the second tiles whatever the batch, and one split."""
+    >= MIN_SPLIT_KEYS keys each. Invariant: the second tiles whatever the batch, and one split.
+    fp32 operands (`itemsize` 4) take twice a tile's shared memory: half the rows and keys, one stage
+    (at head dim 512 the bf16 tiles would ask 256-384 KiB of the H200's 227; tests/hopper_kernels.py)."""
     bm, bn, warps, stages = TILES[next(t for t in TILES if d <= t)][1 if invariant or batch > 1 else 0]
+    if itemsize > 2:
+        bm, bn, stages = max(16, bm // 2), max(16, bn // 2), 1
     programs = batch * hkv * triton.cdiv(rows, bm)
     sms = sm_count(device)
     if invariant or 2 * programs > sms:
@@ -205,7 +209,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     G = hq // hkv
     extent = ring if ring is not None else (keys if keys is not None else k.shape[1])
-    BM, BN, warps, stages, S = _config(D, L * G, B, hkv, extent, q.device, invariant)
+    BM, BN, warps, stages, S = _config(D, L * G, B, hkv, extent, q.device, invariant, q.element_size())
     BM, BN, warps, stages = (*tiles, 2)[:4] if tiles else (BM, BN, warps, stages)
     S = splits or S
     grid_m = triton.cdiv(L * G, BM)

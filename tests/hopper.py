@@ -1,0 +1,123 @@
+"""Our triton kernels compiled for an H200 on a machine without a GPU.
+
+triton's own compiler and its bundled ptxas build a kernel for sm_90 from the same calls the served
+path makes; only the launch is missing. `install()` makes triton's active driver one that targets an
+H200, checks each compiled kernel against the H200's limits as triton's CUDA driver does when it loads
+one (shared memory, threads), reads its registers and spills from the cubin, and launches nothing: the
+outputs of a launch stay as they were allocated, so callers pass tensors whose values do not matter.
+
+What it catches before a GPU session: kernels the interpreter runs but the compiler rejects, tiles that
+need more shared memory than an SM has, register spills. What it cannot: anything about values or speed,
+and torch.compile's kernels (inductor needs the device itself).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.driver import DriverBase
+from triton.runtime.driver import driver
+
+H200 = GPUTarget("cuda", 90, 32)
+# what one block of an H200 may opt into (cudaDevAttrMaxSharedMemoryPerBlockOptin, 227 KiB): triton's
+# CUDA driver refuses to load a kernel that asks for more
+MAX_SHARED = 232448
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+@dataclass
+class Compiled:
+    """One specialization of a kernel as compiled for the H200."""
+    kernel: str
+    shared: int        # bytes of shared memory a block asks for
+    warps: int
+    stages: int
+    registers: int     # per thread, as ptxas allocated them
+    spilled: int       # bytes of local memory per thread: spills (0 in a kernel that fits its registers)
+
+
+def resources(cubin: bytes, name: str) -> tuple[int, int]:
+    """(registers, local bytes) per thread of function `name` in a cubin, as cuobjdump reads them."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True, timeout=60).stdout
+    m = re.search(rf"Function {re.escape(name)}:\s*\n\s*REG:(\d+) .*?LOCAL:(\d+)", out)
+    assert m, f"no resource line for {name} in cuobjdump's output:\n{out}"
+    return int(m.group(1)), int(m.group(2))
+
+
+class _Utils:
+    def __init__(self, compiled: list[Compiled]):
+        self.compiled = compiled
+        self.launch_config = (0, 0)   # (warps, stages) of the kernel being loaded: triton makes its launcher first
+
+    def get_device_properties(self, device) -> dict:
+        return {"max_shared_mem": MAX_SHARED, "multiprocessor_count": 132, "max_num_regs": 65536,
+                "warpSize": 32, "sm_clock_rate": 1980000, "mem_clock_rate": 3201000, "mem_bus_width": 6144}
+
+    def load_binary(self, name: str, cubin: bytes, shared: int, device) -> tuple:
+        """What cuModuleLoadData and cuFuncGetAttribute would say: the most threads a block of this
+        function can have with its registers (65536 per SM, allocated 256 a warp)."""
+        registers, spilled = resources(cubin, name)
+        per_warp = -(-registers * 32 // 256) * 256
+        max_threads = min(1024, 65536 // per_warp * 32)
+        self.compiled.append(Compiled(name, shared, *self.launch_config, registers, spilled))
+        return name, name, registers, spilled, max_threads
+
+
+class H200CompileOnly(DriverBase):
+    """triton's driver interface for an H200 that compiles, checks and never launches (module docstring)."""
+
+    def __init__(self):
+        self.compiled: list[Compiled] = []
+        self.launches = 0
+        self.utils = _Utils(self.compiled)
+
+    @classmethod
+    def is_active(cls) -> bool:
+        return False   # never chosen by triton itself: only by install()
+
+    def get_current_target(self) -> GPUTarget:
+        return H200
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def set_current_device(self, device: int) -> None:
+        assert device == 0, device
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def map_python_to_cpp_type(self, ty: str) -> str:
+        raise NotImplementedError("a compile-only driver builds no launcher")
+
+    def get_benchmarker(self):
+        raise NotImplementedError("a compile-only driver times nothing")
+
+    def launcher_cls(self, src, metadata):
+        self.utils.launch_config = (metadata.num_warps, metadata.num_stages)
+
+        def launch(*args) -> None:
+            self.launches += 1
+        return launch
+
+
+def install() -> H200CompileOnly:
+    """Makes every later triton launch in this process compile for the H200 and launch nothing. For a
+    process of its own: kernels already compiled for another target keep their caches."""
+    assert os.environ.get("TRITON_INTERPRET") != "1", "the interpreter runs kernels; this compiles them"
+    compile_only = H200CompileOnly()
+    driver.set_active(compile_only)
+    return compile_only

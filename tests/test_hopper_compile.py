@@ -1,0 +1,33 @@
+"""Every triton kernel compiles for an H200, and fits it, on a machine without a GPU (tests/hopper.py):
+the calls tests/hopper_kernels.py --quick makes, at the served models' full-size shapes. A kernel the
+interpreter runs but the compiler rejects, tiles that ask for more shared memory than the H200 has, or
+registers spilled to local memory fail here instead of in a GPU session."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_kernel_compiles_for_the_h200_and_fits_it(tmp_path):
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    report = tmp_path / "census.json"
+    out = subprocess.run([sys.executable, "-m", "tests.hopper_kernels", "--quick", "--json", str(report)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert report.is_file(), out.stderr[-3000:]
+    result = json.loads(report.read_text())
+    assert not result["failures"], "\n".join(result["failures"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    # a kernel the census never calls would go to its first GPU session uncompiled
+    assert sorted(result["kernels"]) == result["defined"]
+    for name, k in result["kernels"].items():
+        assert k["shared"] <= result["max_shared"], (name, k)
+        assert k["spilled"] == 0, f"{name} spills {k['spilled']} bytes a thread to local memory"
