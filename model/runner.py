@@ -35,7 +35,6 @@ from model.interface import DiffusionLM
 from model.outputs import CommandOutputs
 from model.parallel.group import TPGroup
 from model.protocol import Command, Events, NewSlot
-from model.sampling.params import DecodeParams
 from model.sampling.stats import TORCH_PASSES, VocabPasses
 from model.slots import Admission, SlotInfo, SlotTable
 from model.steps.causal import CausalSteps

@@ -271,7 +271,7 @@ def test_bad_input_is_rejected_naming_the_field(server, app, case):
     r = post(server, app, path, None if raw is not None else body, raw, content_type or "application/json")
     tally["known-bad requests"] += 1
     assert r.status_code == status, r.text[:300]
-    error = assert_openai_error(r.json(), status, param)
+    assert_openai_error(r.json(), status, param)
     if param is None:  # only when the body is not a JSON object at all: nothing to name
         assert not isinstance(body, dict)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from model.kernels.filters import tanh, triton_threshold
 from model.kernels.launch import INTERPRETED
