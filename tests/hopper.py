@@ -3,12 +3,14 @@
 triton's own compiler and its bundled ptxas build a kernel for sm_90 from the same calls the served
 path makes; only the launch is missing. `install()` makes triton's active driver one that targets an
 H200, checks each compiled kernel against the H200's limits as triton's CUDA driver does when it loads
-one (shared memory, threads), reads its registers and spills from the cubin, and launches nothing: the
-outputs of a launch stay as they were allocated, so callers pass tensors whose values do not matter.
+one (shared memory, threads), reads its registers and spills from the cubin (cuobjdump) and its
+matrix instructions from the PTX, and launches nothing: the outputs of a launch stay as they were allocated, so callers pass
+tensors whose values do not matter.
 
 What it catches before a GPU session: kernels the interpreter runs but the compiler rejects, tiles that
-need more shared memory than an SM has, register spills. What it cannot: anything about values or speed,
-and torch.compile's kernels (inductor needs the device itself).
+need more shared memory than an SM has, register spills, a matmul that lost Hopper's tensor-core
+instructions (FP8 operands upcast, tiles too small for a warpgroup). What it cannot: anything about
+values or speed, and torch.compile's kernels (inductor needs the device itself).
 """
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
 from triton.runtime.driver import driver
@@ -40,24 +44,40 @@ class Compiled:
     stages: int
     registers: int     # per thread, as ptxas allocated them
     spilled: int       # bytes of local memory per thread: spills (0 in a kernel that fits its registers)
+    operands: str      # the type of its first pointer argument ("*bf16", "*fp8e4nv", ...)
+    mma: tuple[str, ...]   # its matrix instructions by kind and A operand: "wgmma.e4m3" (Hopper's
+                           # warpgroup MMA on FP8), "wgmma.bf16", "mma.bf16" (the per-warp MMA of
+                           # earlier GPUs); () for none
 
 
 def resources(cubin: bytes, name: str) -> tuple[int, int]:
-    """(registers, local bytes) per thread of function `name` in a cubin, as cuobjdump reads them."""
+    """(registers, local bytes) a thread of function `name` in a cubin, as cuobjdump reads them."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         out = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True,
                              check=True, timeout=60).stdout
     m = re.search(rf"Function {re.escape(name)}:\s*\n\s*REG:(\d+) .*?LOCAL:(\d+)", out)
-    assert m, f"no resource line for {name} in cuobjdump's output:\n{out}"
+    assert m, f"no resource line for {name} in cuobjdump's output:\n{out[:3000]}"
     return int(m.group(1)), int(m.group(2))
+
+
+def matrix_instructions(ptx: str) -> tuple[str, ...]:
+    """The kinds of MMA a kernel's PTX issues, e.g. wgmma.mma_async...f32.e4m3.e4m3 -> "wgmma.e4m3"."""
+    found = re.findall(r"\b(wgmma\.mma_async\.sync|mma\.sync)\.aligned\.[\w.]*?\.f32\.(\w+)\.", ptx)
+    return tuple(sorted({f"{'wgmma' if op.startswith('wgmma') else 'mma'}.{a}" for op, a in found}))
 
 
 class _Utils:
     def __init__(self, compiled: list[Compiled]):
         self.compiled = compiled
-        self.launch_config = (0, 0)   # (warps, stages) of the kernel being loaded: triton makes its launcher first
+        # (warps, stages, operands) and the MMAs of the kernel being loaded: triton makes its launcher
+        # and calls its load hook first
+        self.launch_config, self.mma = (0, 0, ""), ()
+
+    def read_ptx(self, module, function, name, metadata_group: dict, hash) -> None:
+        """triton's kernel_load_start_hook: the kernel's PTX lies in its cache group."""
+        self.mma = matrix_instructions(Path(metadata_group[f"{name}.ptx"]).read_text())
 
     def get_device_properties(self, device) -> dict:
         return {"max_shared_mem": MAX_SHARED, "multiprocessor_count": 132, "max_num_regs": 65536,
@@ -69,7 +89,8 @@ class _Utils:
         registers, spilled = resources(cubin, name)
         per_warp = -(-registers * 32 // 256) * 256
         max_threads = min(1024, 65536 // per_warp * 32)
-        self.compiled.append(Compiled(name, shared, *self.launch_config, registers, spilled))
+        warps, stages, operands = self.launch_config
+        self.compiled.append(Compiled(name, shared, warps, stages, registers, spilled, operands, self.mma))
         return name, name, registers, spilled, max_threads
 
 
@@ -107,7 +128,8 @@ class H200CompileOnly(DriverBase):
         raise NotImplementedError("a compile-only driver times nothing")
 
     def launcher_cls(self, src, metadata):
-        self.utils.launch_config = (metadata.num_warps, metadata.num_stages)
+        operands = next((t for t in src.signature.values() if t.startswith("*")), "")
+        self.utils.launch_config = (metadata.num_warps, metadata.num_stages, operands)
 
         def launch(*args) -> None:
             self.launches += 1
@@ -120,4 +142,5 @@ def install() -> H200CompileOnly:
     assert os.environ.get("TRITON_INTERPRET") != "1", "the interpreter runs kernels; this compiles them"
     compile_only = H200CompileOnly()
     driver.set_active(compile_only)
+    knobs.runtime.kernel_load_start_hook.add(compile_only.utils.read_ptx)
     return compile_only

@@ -286,7 +286,9 @@ def census(quick: bool = False) -> dict:
             "seconds_by_call": {k: round(v, 1) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])},
             "kernels": {name: {"specializations": len(cs), "shared": max(c.shared for c in cs),
                                "registers": max(c.registers for c in cs), "spilled": max(c.spilled for c in cs),
-                               "warps": sorted({c.warps for c in cs})}
+                               "warps": sorted({c.warps for c in cs}),
+                               "mma": {ops: sorted({" ".join(c.mma) or "none" for c in cs if c.operands == ops})
+                                       for ops in sorted({c.operands for c in cs})}}
                         for name, cs in sorted(kernels.items())}}
 
 
@@ -297,8 +299,9 @@ def main() -> int:
     args = ap.parse_args()
     result = census(args.quick)
     for name, k in result["kernels"].items():
+        mma = "; ".join(f"{ops}: {', '.join(m)}" for ops, m in k["mma"].items() if m != ["none"])
         print(f"{name:24s} {k['specializations']:4d} compiled  shared <= {k['shared']:6d} B  registers <= "
-              f"{k['registers']:3d}  spilled <= {k['spilled']} B  warps {k['warps']}")
+              f"{k['registers']:3d}  spilled <= {k['spilled']} B  warps {k['warps']}  {mma}")
     print(f"{result['calls']} calls, {result['launches']} launches, {result['seconds']} s: {result['seconds_by_call']}")
     for f in result["failures"]:
         print("FAILED", f)

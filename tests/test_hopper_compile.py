@@ -1,7 +1,8 @@
 """Every triton kernel compiles for an H200, and fits it, on a machine without a GPU (tests/hopper.py):
 the calls tests/hopper_kernels.py --quick makes, at the served models' full-size shapes. A kernel the
-interpreter runs but the compiler rejects, tiles that ask for more shared memory than the H200 has, or
-registers spilled to local memory fail here instead of in a GPU session."""
+interpreter runs but the compiler rejects, tiles that ask for more shared memory than the H200 has,
+registers spilled to local memory, or a matmul that lost Hopper's tensor-core instructions fail here
+instead of in a GPU session."""
 from __future__ import annotations
 
 import json
@@ -28,6 +29,13 @@ def test_every_kernel_compiles_for_the_h200_and_fits_it(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     # a kernel the census never calls would go to its first GPU session uncompiled
     assert sorted(result["kernels"]) == result["defined"]
-    for name, k in result["kernels"].items():
+    kernels = result["kernels"]
+    for name, k in kernels.items():
         assert k["shared"] <= result["max_shared"], (name, k)
         assert k["spilled"] == 0, f"{name} spills {k['spilled']} bytes a thread to local memory"
+    # the matmuls run on Hopper's warpgroup tensor cores (wgmma): FP8 operands as FP8 (e4m3), not
+    # upcast; every bf16 attention tile on tensor cores of some kind
+    for name in ("_matmul_kernel", "_grouped_kernel"):
+        assert kernels[name]["mma"]["*fp8e4nv"] == ["wgmma.e4m3"], (name, kernels[name]["mma"])
+        assert kernels[name]["mma"]["*bf16"] == ["wgmma.bf16"], (name, kernels[name]["mma"])
+    assert "none" not in kernels["_attn_kernel"]["mma"]["*bf16"], kernels["_attn_kernel"]["mma"]
