@@ -472,7 +472,8 @@ def main() -> None:
                         args.work, args.out, family, ["--model", str(model_dir), "--seed-levels", "1,4",
                                                       "--requests", "16", "--warmup-requests", "8"], "fp8")
                     continue
-                result.setdefault("traffic", {})[family] = measure_traffic(args.work, args.out, family)
+                result.setdefault("traffic", {})[family] = measure_traffic(args.work, args.out, family,
+                                                                           ["--warm-restart"])
             finally:
                 result[f"traffic_{name}_s"] = time.perf_counter() - t
                 args.out.write_text(json.dumps(result, indent=2, default=str))

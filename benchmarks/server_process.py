@@ -62,8 +62,11 @@ def tree_commit(tree: Path) -> str | None:
 class ServerProcess:
     """`python scripts/serve_local.py model=... port=... ARGS` of `tree`, logged to `log`."""
 
-    def __init__(self, tree: Path, model: str, args: list[str], log: Path, port: int = 0):
+    def __init__(self, tree: Path, model: str, args: list[str], log: Path, port: int = 0,
+                 env: dict[str, str] | None = None):
+        """`env`: more environment for the server (and its Ray, which inherits it)."""
         self.tree = Path(tree).resolve()
+        self.env = dict(env or {})
         self.script = self.tree / "scripts" / "serve_local.py"
         if not self.script.is_file():
             raise ServerError(f"{self.tree} has no scripts/serve_local.py: not a dllm-serve checkout")
@@ -78,7 +81,7 @@ class ServerProcess:
 
     # ---- the process ------------------------------------------------------------------------------
     def start(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         env.pop("RAY_ADDRESS", None)   # its own local Ray, which stop() ends, never a cluster's
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.tree), os.environ.get("PYTHONPATH")]))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,12 @@ logged with timestamps. Then, in order:
                built-in, benchmarks/request_mix.py)
   seed         the family's seed workload: one request alone (its warm-up, reported apart), then at
                each of --seed-levels, --seed-rounds x level requests
+  warm start   with --warm-restart: the server stopped and started again on the caches the cold start
+               filled, seconds to GET /health 200 and to a first completion
 all at --concurrency but the seed workload, every request streamed with ignore_eos (a phase commits
-the tokens it asks for). GPU memory (nvidia-smi; None without one) is read after the first completion
+the tokens it asks for). The server's inductor and triton caches (TORCHINDUCTOR_CACHE_DIR,
+TRITON_CACHE_DIR) live under --compile-cache, by default a new directory, so the cold start is cold
+whatever the machine compiled before. GPU memory (nvidia-smi; None without one) is read after the first completion
 and after each phase; /metrics' CUDA-graph series (`dllm_eager_steps_total`, `dllm_graph_captures_total`,
 `dllm_cuda_graphs`, `dllm_cuda_graph_memory_bytes`; None on a server without them) before and after
 each phase. The rows of issue 23, printed as a table and saved with every figure as JSON:
@@ -42,6 +46,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -62,6 +67,7 @@ SEED_OPTIONS = {
 }
 PERCENTILES = [50.0, 99.0]
 STREAMED = argparse.Namespace(ignore_eos=True, extra_body={})   # serve_bench.request_body's settings
+FIRST_REQUEST = {"prompt": [1] * 16, "max_tokens": 16, "ignore_eos": True}   # sent until one succeeds
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--phase-timeout", type=float, default=900.0, help="seconds per phase (its requests are "
                                                                       "then abandoned and the next one runs)")
+    p.add_argument("--compile-cache", type=Path,
+                   help="the server's inductor and triton caches (default: a new directory under --work)")
+    p.add_argument("--warm-restart", action="store_true",
+                   help="after the phases, start the server again on the caches the first start filled")
     p.add_argument("--out", type=Path, help="the JSON (default: $OUT or . / traffic-FAMILY.json)")
     p.add_argument("--log", type=Path, help="the server's log (default: beside --out, -server.log)")
     p.add_argument("--progress", action="store_true", help="progress bars on stderr")
@@ -155,16 +165,26 @@ def plan(opts: argparse.Namespace, model: str) -> dict[str, list[dict]]:
 
 # ---- the measurement ---------------------------------------------------------------------------------
 
+def compile_cache_env(cache: Path) -> dict[str, str]:
+    """The environment that puts a server's inductor and triton caches under `cache`."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
+
+
 def measure(opts: argparse.Namespace) -> dict:
-    """One server start, every phase; the result (also written to --out, after each phase too). The
-    server is stopped at the end, also on an error or KeyboardInterrupt."""
+    """One server start, every phase (and with --warm-restart a second start); the result (also written
+    to --out, after each phase too). The server is stopped at the end, also on an error or
+    KeyboardInterrupt."""
     model = Path(opts.model) if opts.model else write_model(opts.family, opts.work)
-    server = ServerProcess(opts.server_tree, str(model), server_args(opts), opts.log, opts.port)
+    opts.work.mkdir(parents=True, exist_ok=True)
+    cache = opts.compile_cache or Path(tempfile.mkdtemp(prefix="compile-cache-", dir=opts.work))
+    env = compile_cache_env(cache)
+    server = ServerProcess(opts.server_tree, str(model), server_args(opts), opts.log, opts.port, env)
     result = {"family": opts.family, "date": datetime.now().astimezone().isoformat(timespec="seconds"),
               "server_tree": str(server.tree), "server_commit": tree_commit(server.tree),
               "server_command": server.command, "server_log": str(opts.log), "mix": opts.mix,
+              "compile_cache": str(cache),
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(opts).items()},
-              "cold_start": None, "phases": {}, "seed": {}, "rows": None}
+              "cold_start": None, "phases": {}, "seed": {}, "warm_start": None, "rows": None}
     try:
         server.start()
         result["server_pid"] = server.proc.pid
@@ -173,14 +193,35 @@ def measure(opts: argparse.Namespace) -> dict:
         result["server_exit_status"] = server.stop()
         result["rows"] = derive(result, opts.seed_levels)
         save(result, opts.out)
+    if opts.warm_restart:
+        again = ServerProcess(opts.server_tree, str(model), server_args(opts), warm_log(opts.log), opts.port, env)
+        try:
+            again.start()
+            result["warm_server_pid"] = again.proc.pid
+            result["warm_start"] = asyncio.run(_warm_start(opts, again))
+        finally:
+            result["warm_server_exit_status"] = again.stop()
+            save(result, opts.out)
     return result
+
+
+def warm_log(log: Path) -> Path:
+    """The second start's log, beside the first's."""
+    return log.with_name(log.stem + "-warm" + log.suffix)
+
+
+async def _warm_start(opts: argparse.Namespace, server: ServerProcess) -> dict:
+    async with httpx.AsyncClient(timeout=opts.request_timeout) as http:
+        out = await server.wait_ready(http, opts.start_timeout, FIRST_REQUEST)
+    print(f"{opts.family}: warm start: /health 200 at {out['health_200_s']:.1f} s, first completion at "
+          f"{out['first_completion_s']:.1f} s", flush=True)
+    return out
 
 
 async def _phases(opts: argparse.Namespace, server: ServerProcess, result: dict) -> None:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=opts.request_timeout, limits=limits) as http:
-        first = {"prompt": [1] * 16, "max_tokens": 16, "ignore_eos": True}
-        result["cold_start"] = await server.wait_ready(http, opts.start_timeout, first)
+        result["cold_start"] = await server.wait_ready(http, opts.start_timeout, FIRST_REQUEST)
         model = result["model"] = result["cold_start"]["model"]
         result["cold_start"]["gpu_memory_mib"] = await asyncio.to_thread(gpu_memory_mib)
         print(f"{opts.family}: /health 200 at {result['cold_start']['health_200_s']:.1f} s, first completion at "
@@ -281,9 +322,10 @@ def derive(result: dict, levels: list[int]) -> dict:
 
 def rows(result: dict) -> list[tuple[str, float | None, str]]:
     """(name, value, target) of the table; roofline prints the same rows."""
-    r, cold = result["rows"] or {}, result["cold_start"] or {}
+    r, cold, warm = result["rows"] or {}, result["cold_start"] or {}, result.get("warm_start") or {}
     out = [("cold start: seconds to GET /health 200", cold.get("health_200_s"), ""),
            ("cold start: seconds to the first completion", cold.get("first_completion_s"), ""),
+           ("warm start: seconds to GET /health 200", warm.get("health_200_s"), ""),
            ("homogeneous committed tok/s", r.get("homogeneous_tok_s"), ""),
            ("mixed committed tok/s", r.get("mixed_tok_s"), ""),
            ("mixed / homogeneous committed tok/s", r.get("mixed_over_homogeneous"), ">= 0.9"),

@@ -45,7 +45,7 @@ def test_traffic_measures_a_tiny_server_from_its_cold_start(tiny_nemotron, tmp_p
     opts = traffic.parse_args(["--family", "nemotron-ld", "--model", str(tiny_nemotron), "--server-arg", "device=cpu",
                                "--mix", str(mix), "--requests", "4", "--warmup-requests", "2", "--concurrency", "2",
                                "--seed-levels", "1,2", "--seed-rounds", "1", "--seed-prompt-len", "16",
-                               "--seed-max-tokens", "32", "--start-timeout", "150", "--out",
+                               "--seed-max-tokens", "32", "--start-timeout", "150", "--warm-restart", "--out",
                                str(tmp_path / "traffic.json")])
     result = traffic.measure(opts)
 
@@ -78,10 +78,29 @@ def test_traffic_measures_a_tiny_server_from_its_cold_start(tiny_nemotron, tmp_p
     log = opts.log.read_text().splitlines()
     assert log[1] == "# " + " ".join(result["server_command"]) and any(READY_LINE in line for line in log)
     assert all(re.match(r" *\d+\.\d{3} \d\d:\d\d:\d\d\.\d{3} \| ", line) for line in log[2:])  # stamped
+    # the second start, on the caches the first one filled (under --work, a directory of this run)
+    warm = result["warm_start"]
+    assert 0 < warm["health_200_s"] <= warm["first_completion_s"] < 150 and warm["model"] == tiny_nemotron.name
+    assert result["warm_server_exit_status"] == 0 and "warm start: seconds to GET /health 200" in table
+    assert Path(result["compile_cache"]).parent == opts.work and traffic.warm_log(opts.log).is_file()
     deadline = time.monotonic() + 15   # killed processes take a moment to go
-    while _group_members(result["server_pid"]) and time.monotonic() < deadline:
+    while (_group_members(result["server_pid"]) or _group_members(result["warm_server_pid"])) \
+            and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _group_members(result["server_pid"]) == []   # the server and its Ray are gone
+    assert _group_members(result["server_pid"]) == _group_members(result["warm_server_pid"]) == []   # and their Rays
+
+
+def test_the_server_gets_the_compile_caches_of_its_measurement(tmp_path):
+    """A cold start is cold, and a warm restart warm, because the server (and the Ray it starts, which
+    inherits its environment) keeps inductor's and triton's caches where the measurement says."""
+    (tmp_path / "tree" / "scripts").mkdir(parents=True)
+    (tmp_path / "tree" / "scripts" / "serve_local.py").write_text(
+        "import os\nprint('caches', os.environ['TORCHINDUCTOR_CACHE_DIR'], os.environ['TRITON_CACHE_DIR'])\n")
+    env = traffic.compile_cache_env(tmp_path / "cache")
+    server = ServerProcess(tmp_path / "tree", "m", [], tmp_path / "server.log", env=env)
+    with server:
+        server.proc.wait(30)
+    assert f"caches {tmp_path / 'cache' / 'inductor'} {tmp_path / 'cache' / 'triton'}" in server.log_path.read_text()
 
 
 def test_a_server_that_cannot_start_is_a_clear_error_within_its_bound(tmp_path):
