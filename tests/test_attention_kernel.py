@@ -172,7 +172,8 @@ def test_invariant_rows_keep_their_bits_among_neighbours():
 
 
 # cached_attention itself with the switch on, against it with the switch off: the prefill's own keys,
-# the full layer's flat cache, the sliding layer's flat cache or ring, in a sequence of steps
+# the full layer's flat cache, the sliding layer's flat cache or ring, in a sequence of steps (and in
+# fp64, which the kernel does not take, the switch changes nothing)
 SWITCH = r"""
 import torch
 from model.attention import LayeredKVCache, StepContext, step_context, cached_attention, triton_attention
@@ -190,7 +191,7 @@ def layers(kv, ctx, gen, dtype, width):
         assert (got.float() - expected.float()).abs().max().item() <= tol, (layer, ctx.ring is not None, dtype)
 
 for ring in (None, 12):
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):   # fp64: the kernel's dtypes exclude it, SDPA runs
         gen = torch.Generator().manual_seed(0)
         kv = LayeredKVCache([(2, 64), (1, 128)], 3, 40, dtype, "cpu", sliding=[False, True], ring=ring)
         W = 5
