@@ -3,7 +3,8 @@ the calls the served full-size models make: both families' shapes (benchmarks/sh
 layers' from the models themselves, built as fake tensors), every capture size and key bucket of the
 CUDA graphs (model/graphs.py), the AR and canvas widths, both TP=1 vocabulary sizes, every option a
 request can turn into a kernel's compile-time flag (filters, scores and their k, sampling, softcap,
-self-conditioning's rounding), the batch-invariant mode's kernels, and BF16 and FP8 weights.
+self-conditioning's rounding), the batch-invariant mode's kernels, and BF16 and FP8 weights; and,
+but with --quick, the same over the tiny models the GPU tests run (model/tiny.py).
 
     python -m tests.hopper_kernels [--quick] [--json FILE]
 
@@ -27,7 +28,6 @@ import torch
 from tests.hopper import MAX_SHARED, install
 
 MAX_LEN = 4096                  # key buckets up to here (the seed workload's 2048 and beyond)
-SLOTS = {"nemotron": 16, "gemma": 8}
 LOGPROB_KS = (0, 1, 3, 5, 9, 20)   # every power-of-two width the scores' top-k kernel compiles for
 
 
@@ -55,7 +55,7 @@ def attention_calls(family: dict, quick: bool):
     from model.graphs import capture_sizes, key_buckets
     from model.kernels.attention import attention
 
-    slots = SLOTS[family["name"]]
+    slots = family["slots"]
     for layer in family["attention"]:
         hq, hkv, d, ring, window = layer["hq"], layer["hkv"], layer["d"], layer.get("ring"), layer.get("window")
         positions = ring or MAX_LEN
@@ -68,8 +68,8 @@ def attention_calls(family: dict, quick: bool):
                         meta = (_ints(b), _ints(b), _ints(b, width), torch.ones(b, dtype=torch.bool))
                         for keys in (None,) if ring else (MAX_LEN,) if quick else key_buckets(MAX_LEN):
                             label = f"attention d={d} hkv={hkv} b={b} L={width} keys={keys or ring} {dtype}"
-                            yield f"{label} inv={invariant}", lambda: attention(q, cache, cache, *meta, d ** -0.5, window, ring=ring,
-                                                           keys=keys, invariant=invariant)
+                            yield f"{label} inv={invariant}", lambda: attention(
+                                q, cache, cache, *meta, d ** -0.5, window, ring=ring, keys=keys, invariant=invariant)
 
 
 def rope_calls(family: dict, quick: bool):
@@ -79,7 +79,7 @@ def rope_calls(family: dict, quick: bool):
 
     for layer in family["attention"]:
         hq, hkv, d = layer["hq"], layer["hkv"], layer["d"]
-        for b in (1, SLOTS[family["name"]]) if quick else (1, 2, SLOTS[family["name"]]):
+        for b in (1, family["slots"]) if quick else (1, 2, family["slots"]):
             for width in family["widths"] + family["prefill_widths"][-1 if quick else 0:]:
                 n = b * width
                 q = torch.empty(b, width, hq, d, dtype=torch.bfloat16)
@@ -89,7 +89,7 @@ def rope_calls(family: dict, quick: bool):
                 for cached in (False, True):
                     cache = KVRows(rows, rows, _ints(n)) if cached else None
                     label = f"rope d={d} hkv={hkv} b={b} L={width} cache={cached}"
-                    if family["name"] == "gemma":
+                    if family["qk_norm"]:
                         v = k if layer.get("k_eq_v") else torch.empty_like(k)
                         w = torch.empty(d, dtype=torch.bfloat16)
                         yield label, lambda: qkv_norm_rope(q, k, v, w, w, 1e-6, cos, sin, cache)
@@ -107,7 +107,7 @@ def vocab_calls(family: dict, quick: bool):
     from model.parallel.group import TPGroup
 
     v, softcap, on_scaled = family["vocab"], family["softcap"], family["on_scaled"]
-    for rows in (SLOTS[family["name"]],) if quick else (1, SLOTS[family["name"]]):
+    for rows in (family["slots"],) if quick else (1, family["slots"]):
         for p in (family["widths"][0],) if quick else sorted({1, family["widths"][0]}):
             for dtype in (torch.bfloat16, torch.float32):
                 x = torch.empty(rows, p, v, dtype=dtype)
@@ -213,30 +213,50 @@ def invariant_calls(family: dict, weights: list, quick: bool):
             yield f"row_cumsum d={d} {dtype}", lambda: invariant.row_cumsum(x)
 
 
-def families(work: Path) -> list[tuple[dict, list]]:
-    """Each family's served dims (the published configs in benchmarks/shapes.py) and its BF16 and FP8
-    weights' shapes."""
-    from benchmarks.shapes import (DIFFUSION_GEMMA_26B_A4B_TEXT as G, NEMOTRON_LD_8B as N, write_diffusion_gemma_shapes,
-                                   write_fp8_dynamic, write_shapes)
+def nemotron_dims(name: str, cfg) -> dict:
+    """What the calls read of a Nemotron-LD config (model.config, as the model reads it)."""
+    v, h = cfg.vocab_size, cfg.hidden_size
+    return {"name": name, "slots": 16, "vocab": v, "hidden": h, "softcap": None, "on_scaled": True,
+            "qk_norm": False, "soft_dtypes": (None,), "renoise": False, "widths": [cfg.block_size, 1],
+            "prefill_widths": [16, 256, 1024],
+            "attention": [{"hq": cfg.num_attention_heads, "hkv": cfg.num_key_value_heads, "d": cfg.head_dim}],
+            "row_dims": [1, 32, 128, h, v, v // 2]}
 
-    nemotron = {"name": "nemotron", "vocab": N["vocab_size"], "hidden": N["hidden_size"], "softcap": None,
-                "on_scaled": True, "soft_dtypes": (None,), "renoise": False, "widths": [N["block_size"], 1],
-                "prefill_widths": [16, 256, 1024],
-                "attention": [{"hq": N["num_attention_heads"], "hkv": N["num_key_value_heads"], "d": N["head_dim"]}],
-                "row_dims": [1, 32, 128, N["hidden_size"], N["vocab_size"], N["vocab_size"] // 2]}
-    canvas = 256
-    gemma = {"name": "gemma", "vocab": G["vocab_size"], "hidden": G["hidden_size"], "softcap": 30.0,
-             "on_scaled": False, "soft_dtypes": (None, torch.bfloat16), "renoise": True, "widths": [canvas],
-             "prefill_widths": [16, 256, 1024], "experts": G["num_experts"], "top_k_experts": G["top_k_experts"],
-             "attention": [{"hq": G["num_attention_heads"], "hkv": G["num_key_value_heads"], "d": G["head_dim"],
-                            "ring": G["sliding_window"] - 1 + canvas, "window": G["sliding_window"]},
-                           {"hq": G["num_attention_heads"], "hkv": G["num_global_key_value_heads"],
-                            "d": G["global_head_dim"], "k_eq_v": G["attention_k_eq_v"]}],
-             "row_dims": [1, 8, G["num_experts"], canvas, G["hidden_size"], G["vocab_size"], G["vocab_size"] // 2]}
+
+def gemma_dims(name: str, cfg) -> dict:
+    """What the calls read of a DiffusionGemma config (model.config: a sliding layer's and a full layer's
+    heads as the model resolves them)."""
+    canvas, v, h, hq = cfg.canvas_length, cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads
+    full = cfg.layer_type_list.index("full_attention")
+    sliding = cfg.layer_type_list.index("sliding_attention")
+    return {"name": name, "slots": 8, "vocab": v, "hidden": h, "softcap": cfg.final_logit_softcapping,
+            "on_scaled": False, "qk_norm": True, "soft_dtypes": (None, torch.bfloat16), "renoise": True,
+            "widths": [canvas], "prefill_widths": [16, 256, 1024], "experts": cfg.num_experts,
+            "top_k_experts": cfg.top_k_experts,
+            "attention": [{"hq": hq, "hkv": cfg.layer_num_kv_heads(sliding), "d": cfg.layer_head_dim(sliding),
+                           "ring": cfg.sliding_window - 1 + canvas, "window": cfg.sliding_window},
+                          {"hq": hq, "hkv": cfg.layer_num_kv_heads(full), "d": cfg.layer_head_dim(full),
+                           "k_eq_v": cfg.attention_k_eq_v}],
+            "row_dims": [1, 8, cfg.num_experts, canvas, h, v, v // 2]}
+
+
+def families(work: Path, tiny: bool) -> list[tuple[dict, list]]:
+    """Each family's dims and its BF16 and FP8 weights' shapes: the served full-size ones (the published
+    configs, benchmarks/shapes.py), and with `tiny` the tiny models the GPU tests run (model/tiny.py)."""
+    from benchmarks.shapes import write_diffusion_gemma_shapes, write_fp8_dynamic, write_shapes
+    from model.tiny import write_diffusion_gemma, write_nemotron_ld
+
+    dirs = [("nemotron", nemotron_dims, write_shapes(work / "nemotron", tokenizer=False)),
+            ("gemma", gemma_dims, write_diffusion_gemma_shapes(work / "gemma", tokenizer=False))]
+    if tiny:
+        dirs += [("tiny-nemotron", nemotron_dims, write_nemotron_ld(work / "tiny-nemotron")),
+                 ("tiny-gemma", gemma_dims, write_diffusion_gemma(work / "tiny-gemma"))]
+    from model.checkpoint import load_model_config
+
     out = []
-    for family, shapes in ((nemotron, write_shapes(work / "nemotron", tokenizer=False)),
-                           (gemma, write_diffusion_gemma_shapes(work / "gemma", tokenizer=False))):
-        fp8 = write_fp8_dynamic(shapes, work / f"{family['name']}-fp8")
+    for name, dims, shapes in dirs:
+        fp8 = write_fp8_dynamic(shapes, work / f"{name}-fp8")
+        family = dims(name, load_model_config(shapes))
         out.append((family, sorted(set(linear_weights(shapes)) | set(linear_weights(fp8)), key=str)))
     return out
 
@@ -266,7 +286,7 @@ def census(quick: bool = False) -> dict:
     failures, calls, seconds = [], 0, defaultdict(float)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as work:
-        for family, weights in families(Path(work)):
+        for family, weights in families(Path(work), tiny=not quick):
             for gen in (attention_calls(family, quick), rope_calls(family, quick), vocab_calls(family, quick),
                         experts_calls(family, weights, quick), invariant_calls(family, weights, quick)):
                 for label, call in gen:
