@@ -31,9 +31,9 @@ test-gpu:
 	python3 -m pytest -q -m gpu tests
 
 # No GPU needed: every triton kernel compiled for an H200 (sm_90) by triton's own compiler and ptxas, over
-# all the calls the served full-size models make, checked against the H200's shared memory and for
-# register spills, the tiny models the GPU tests run too (tests/hopper_kernels.py; `make test` runs its --quick
-# subset). About 10 minutes cold on 2 cores.
+# all the calls the served full-size models (and the GPU tests' tiny ones) make, checked against the
+# H200's shared memory, for register spills and for tensor-core MMAs (tests/hopper_kernels.py; `make test`
+# runs its --quick subset). About 10 minutes cold on 2 cores.
 compile-h200: $(STAMP)
 	$(PY) -m tests.hopper_kernels $(ARGS)
 
