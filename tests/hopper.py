@@ -4,8 +4,8 @@ triton's own compiler and its bundled ptxas build a kernel for sm_90 from the sa
 path makes; only the launch is missing. `install()` makes triton's active driver one that targets an
 H200, checks each compiled kernel against the H200's limits as triton's CUDA driver does when it loads
 one (shared memory, threads), reads its registers and spills from the cubin (cuobjdump) and its
-matrix instructions from the PTX, and launches nothing: the outputs of a launch stay as they were allocated, so callers pass
-tensors whose values do not matter.
+matrix instructions from the PTX, and launches nothing: the outputs of a launch stay as they were
+allocated, so callers pass tensors whose values do not matter.
 
 What it catches before a GPU session: kernels the interpreter runs but the compiler rejects, tiles that
 need more shared memory than an SM has, register spills, a matmul that lost Hopper's tensor-core
