@@ -64,11 +64,12 @@ _BODY_ERRORS = {"json_invalid": "the body is not valid JSON: {error} at characte
 def _param(loc: tuple, rename: dict[str, str] | None = None, unknown: bool = False) -> str | None:
     """('body', 'diffusion', 'threshold') -> 'diffusion.threshold'; ('messages', 0, 'content') ->
     'messages[0].content'. Union-member tags (e.g. 'list[int]') are dropped; `unknown`: the last part
-    is a field the client sent that does not exist, kept as spelt (e.g. 'diffusion.Mode')."""
+    is a field the client sent that does not exist, kept as spelt (e.g. 'diffusion.Mode'; a key that is
+    the empty string as '""', so it is still named)."""
     parts = list(loc[1:] if loc and loc[0] == "body" else loc)
     if not parts or isinstance(parts[0], int):  # a model-level error, or a JSON decode position
         return None
-    key = str(parts.pop()) if unknown else None
+    key = (str(parts.pop()) or '""') if unknown else None
     out = ""
     for p in parts:
         if isinstance(p, int):

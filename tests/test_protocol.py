@@ -92,6 +92,9 @@ def test_fastapi_error_lists():
     assert validation_error_param([{"loc": ("body", "diffusion", "Policy"), "msg": "Extra inputs are not permitted",
                                     "type": "extra_forbidden"}]) == ("diffusion.Policy: unknown field",
                                                                      "diffusion.Policy")
+    # a key that is the empty string is still named (schemathesis sent {"tokens": [], "": []})
+    assert validation_error_param([{"loc": ("body", "messages", 1, ""), "msg": "Extra inputs are not permitted",
+                                    "type": "extra_forbidden"}]) == ('messages[1]."": unknown field', 'messages[1].""')
 
 
 def test_requests_parse_and_normalise():
