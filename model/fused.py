@@ -246,6 +246,11 @@ def quantize_rows(x: torch.Tensor) -> Quantized:
     return Quantized(*_quantized_rows(_rows(x)), x.dtype, x.shape[:-1])
 
 
+def as_quantized(x: torch.Tensor | Quantized) -> Quantized:
+    """An FP8 kernel's input: as its producer's kernel quantized it, else quantize_rows(x)."""
+    return x if isinstance(x, Quantized) else quantize_rows(x)
+
+
 def silu_mul_quantized(x: torch.Tensor) -> Quantized:
     """silu_mul(x) quantized per row, in silu_mul's kernel: the FP8 down projection's input."""
     return Quantized(*_silu_mul_quantized(_rows(x)), x.dtype, x.shape[:-1])

@@ -29,7 +29,7 @@ from model import batch_invariant
 from model.batch_invariant import row_sum, softmax
 from model.config import DiffusionGemmaConfig
 from model.fp8 import FP8, Quantized, compute_dtype, dequantize, fake_quantize_per_token, kernels_take
-from model.fused import gelu_mul, gelu_mul_quantized, quantize_rows
+from model.fused import as_quantized, gelu_mul, gelu_mul_quantized
 from model.parallel.group import TPGroup
 from model.parallel.linear import (ReplicatedLinear, check_shape, copy_into, divide, new_param, new_scale,
                                    read_slice)
@@ -140,7 +140,7 @@ class GemmaExperts(nn.Module):
         own kernel."""
         from model.kernels.fp8 import scaled_grouped   # triton: imported where CUDA runs it
 
-        a = x if isinstance(x, Quantized) else quantize_rows(x)
+        a = as_quantized(x)
         invariant = batch_invariant.enabled()
         gate_up = scaled_grouped(a.q, a.scale, self.gate_up_proj, self.gate_up_proj_scale, pairs.ends, pairs.token,
                                  a.dtype, pairs.tile_map, invariant)

@@ -56,8 +56,7 @@ def kernels_on_cpu(calls: list):
         mp.setattr(model.moe, "kernels_take", lambda x: True)
         mp.setattr(model.kernels.fp8, "scaled_linear", linear)
         mp.setattr(model.kernels.fp8, "scaled_grouped", grouped)
-        mp.setattr(model.parallel.linear, "quantize_rows", rows)
-        mp.setattr(model.moe, "quantize_rows", rows)
+        mp.setattr(model.fused, "quantize_rows", rows)
         yield
 
 

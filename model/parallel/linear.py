@@ -20,7 +20,7 @@ from torch import nn
 from model import batch_invariant
 from model.batch_invariant import linear
 from model.fp8 import FP8, Quantized, fp8_linear, kernels_take
-from model.fused import quantize_rows
+from model.fused import as_quantized
 from model.parallel.group import TPGroup, shard_range
 
 
@@ -97,7 +97,7 @@ class LinearBase(nn.Module):
         if isinstance(x, Quantized) or self.fp8_kernels(x):
             from model.kernels.fp8 import scaled_linear   # triton: imported where CUDA runs it
 
-            a = x if isinstance(x, Quantized) else quantize_rows(x)
+            a = as_quantized(x)
             y = scaled_linear(a.q, a.scale, self.weight, self.weight_scale, a.dtype, batch_invariant.enabled())
             return y.view(*a.lead, self.output_size)
         if self.weight_scale is not None:
