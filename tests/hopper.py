@@ -80,8 +80,7 @@ class _Utils:
         self.mma = matrix_instructions(Path(metadata_group[f"{name}.ptx"]).read_text())
 
     def get_device_properties(self, device) -> dict:
-        return {"max_shared_mem": MAX_SHARED, "multiprocessor_count": 132, "max_num_regs": 65536,
-                "warpSize": 32, "sm_clock_rate": 1980000, "mem_clock_rate": 3201000, "mem_bus_width": 6144}
+        return {"max_shared_mem": MAX_SHARED}   # all that triton's loader reads of them
 
     def load_binary(self, name: str, cubin: bytes, shared: int, device) -> tuple:
         """What cuModuleLoadData and cuFuncGetAttribute would say: the most threads a block of this

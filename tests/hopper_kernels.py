@@ -35,7 +35,7 @@ def _ints(n: int, fill: int = 0) -> torch.Tensor:
     return torch.full((n,), fill, dtype=torch.int64)
 
 
-def linear_weights(shapes_dir: Path) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def linear_weights(shapes_dir: Path) -> set[tuple[tuple[int, ...], torch.dtype]]:
     """(shape, dtype) of every weight of two or more dims of the model in `shapes_dir`, built as fake
     tensors (no memory): the linear layers, experts and embeddings the served model multiplies."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -46,7 +46,7 @@ def linear_weights(shapes_dir: Path) -> list[tuple[tuple[int, ...], torch.dtype]
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         net = build_model(load_model_config(shapes_dir), TPGroup(), torch.bfloat16, "cpu")
-        return sorted({(tuple(p.shape), p.dtype) for p in net.parameters() if p.dim() >= 2}, key=str)
+        return {(tuple(p.shape), p.dtype) for p in net.parameters() if p.dim() >= 2}
 
 
 def attention_calls(family: dict, quick: bool):
@@ -123,7 +123,7 @@ def vocab_calls(family: dict, quick: bool):
                         finally:
                             filters.HISTOGRAM = True
                     yield f"filters {shape} histogram={histogram}", threshold
-                if quick and dtype == torch.float32:   # 32-bit keys: the filters' own path; the rest reads fp32 as bf16
+                if quick and dtype == torch.float32:   # 32-bit keys: the filters' own path
                     continue
                 for has_thr in (False, True):
                     for sampling in (False, True):
@@ -163,7 +163,6 @@ def experts_calls(family: dict, weights: list, quick: bool):
         ids = torch.empty(tokens, k, dtype=torch.int32)
         yield f"sort_pairs T={tokens}", lambda: routing.sort_pairs(ids, e, invariant.GROUPED_TILES.m)
         token, ends = _ints(pairs), torch.arange(1, e + 1, dtype=torch.int32)
-        tile_map = invariant.make_tile_map(ends, -(-pairs // invariant.GROUPED_TILES.m) + e, invariant.GROUPED_TILES.m)
         for (n_e, n, kk), wdtype in experts:
             w = torch.empty(n_e, n, kk, dtype=wdtype)
             gather = kk == family["hidden"]   # gate_up reads each pair's token row in place
@@ -172,12 +171,11 @@ def experts_calls(family: dict, weights: list, quick: bool):
             label = f"grouped {wdtype} w={list(w.shape)} T={tokens}"
             if wdtype == torch.float8_e4m3fn:
                 yield label, lambda: fp8.grouped_in_triton(x, torch.empty(x.shape[0]), w, torch.empty(n_e, n),
-                                                           ends, rows, torch.bfloat16, tile_map)
+                                                           ends, rows, torch.bfloat16)
             else:
-                yield label, lambda: invariant.grouped_matmul(x, w, ends, rows, tile_map)
-        hidden = family["hidden"]
-        yield f"combine T={tokens}", lambda: combine(torch.empty(pairs, hidden, dtype=torch.bfloat16), _ints(pairs),
-                                                     torch.empty(tokens, k))
+                yield label, lambda: invariant.grouped_matmul(x, w, ends, rows)
+        yield f"combine T={tokens}", lambda: combine(torch.empty(pairs, family["hidden"], dtype=torch.bfloat16),
+                                                     _ints(pairs), torch.empty(tokens, k))
 
 
 def invariant_calls(family: dict, weights: list, quick: bool):
@@ -244,6 +242,7 @@ def families(work: Path, tiny: bool) -> list[tuple[dict, list]]:
     """Each family's dims and its BF16 and FP8 weights' shapes: the served full-size ones (the published
     configs, benchmarks/shapes.py), and with `tiny` the tiny models the GPU tests run (model/tiny.py)."""
     from benchmarks.shapes import write_diffusion_gemma_shapes, write_fp8_dynamic, write_shapes
+    from model.checkpoint import load_model_config
     from model.tiny import write_diffusion_gemma, write_nemotron_ld
 
     dirs = [("nemotron", nemotron_dims, write_shapes(work / "nemotron", tokenizer=False)),
@@ -251,13 +250,11 @@ def families(work: Path, tiny: bool) -> list[tuple[dict, list]]:
     if tiny:
         dirs += [("tiny-nemotron", nemotron_dims, write_nemotron_ld(work / "tiny-nemotron")),
                  ("tiny-gemma", gemma_dims, write_diffusion_gemma(work / "tiny-gemma"))]
-    from model.checkpoint import load_model_config
-
     out = []
     for name, dims, shapes in dirs:
         fp8 = write_fp8_dynamic(shapes, work / f"{name}-fp8")
         family = dims(name, load_model_config(shapes))
-        out.append((family, sorted(set(linear_weights(shapes)) | set(linear_weights(fp8)), key=str)))
+        out.append((family, sorted(linear_weights(shapes) | linear_weights(fp8), key=str)))
     return out
 
 
@@ -322,7 +319,8 @@ def main() -> int:
         mma = "; ".join(f"{ops}: {', '.join(m)}" for ops, m in k["mma"].items() if m != ["none"])
         print(f"{name:24s} {k['specializations']:4d} compiled  shared <= {k['shared']:6d} B  registers <= "
               f"{k['registers']:3d}  spilled <= {k['spilled']} B  warps {k['warps']}  {mma}")
-    print(f"{result['calls']} calls, {result['launches']} launches, {result['seconds']} s: {result['seconds_by_call']}")
+    print(f"{result['calls']} calls, {result['launches']} launches, {result['seconds']} s: "
+          f"{result['seconds_by_call']}")
     for f in result["failures"]:
         print("FAILED", f)
     if args.json:
