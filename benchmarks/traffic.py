@@ -19,11 +19,12 @@ logged with timestamps. Then, in order:
                filled, seconds to GET /health 200 and to a first completion
 all at --concurrency but the seed workload, every request streamed with ignore_eos (a phase commits
 the tokens it asks for). The server's inductor and triton caches (TORCHINDUCTOR_CACHE_DIR,
-TRITON_CACHE_DIR) live under --compile-cache, by default a new directory, so the cold start is cold
-whatever the machine compiled before. GPU memory (nvidia-smi; None without one) is read after the first completion
-and after each phase; /metrics' CUDA-graph series (`dllm_eager_steps_total`, `dllm_graph_captures_total`,
-`dllm_cuda_graphs`, `dllm_cuda_graph_memory_bytes`; None on a server without them) before and after
-each phase. The rows of issue 23, printed as a table and saved with every figure as JSON:
+TRITON_CACHE_DIR) live under --compile-cache, by default a new directory (removed at the end), so the
+cold start is cold whatever the machine compiled before. GPU memory (nvidia-smi; None without one) is
+read after the first completion and after each phase; /metrics' CUDA-graph series
+(`dllm_eager_steps_total`, `dllm_graph_captures_total`, `dllm_cuda_graphs`,
+`dllm_cuda_graph_memory_bytes`; None on a server without them) before and after each phase. The rows
+of issue 23, printed as a table and saved with every figure as JSON:
 
   mixed / homogeneous committed tok/s             target >= 0.9
   p99 / median request latency under the mix      target <= 2
@@ -44,6 +45,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -100,7 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--phase-timeout", type=float, default=900.0, help="seconds per phase (its requests are "
                                                                       "then abandoned and the next one runs)")
     p.add_argument("--compile-cache", type=Path,
-                   help="the server's inductor and triton caches (default: a new directory under --work)")
+                   help="the server's inductor and triton caches (default: a new directory under --work, "
+                        "removed at the end)")
     p.add_argument("--warm-restart", action="store_true",
                    help="after the phases, start the server again on the caches the first start filled")
     p.add_argument("--out", type=Path, help="the JSON (default: $OUT or . / traffic-FAMILY.json)")
@@ -177,6 +180,14 @@ def measure(opts: argparse.Namespace) -> dict:
     model = Path(opts.model) if opts.model else write_model(opts.family, opts.work)
     opts.work.mkdir(parents=True, exist_ok=True)
     cache = opts.compile_cache or Path(tempfile.mkdtemp(prefix="compile-cache-", dir=opts.work))
+    try:
+        return _starts(opts, model, cache)
+    finally:
+        if opts.compile_cache is None:   # ours: a measurement's caches, not a user's
+            shutil.rmtree(cache, ignore_errors=True)
+
+
+def _starts(opts: argparse.Namespace, model: Path, cache: Path) -> dict:
     env = compile_cache_env(cache)
     server = ServerProcess(opts.server_tree, str(model), server_args(opts), opts.log, opts.port, env)
     result = {"family": opts.family, "date": datetime.now().astimezone().isoformat(timespec="seconds"),

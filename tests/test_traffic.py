@@ -78,11 +78,13 @@ def test_traffic_measures_a_tiny_server_from_its_cold_start(tiny_nemotron, tmp_p
     log = opts.log.read_text().splitlines()
     assert log[1] == "# " + " ".join(result["server_command"]) and any(READY_LINE in line for line in log)
     assert all(re.match(r" *\d+\.\d{3} \d\d:\d\d:\d\d\.\d{3} \| ", line) for line in log[2:])  # stamped
-    # the second start, on the caches the first one filled (under --work, a directory of this run)
+    # the second start, on the caches the first one filled (under --work, a directory of this run,
+    # removed at the end)
     warm = result["warm_start"]
     assert 0 < warm["health_200_s"] <= warm["first_completion_s"] < 150 and warm["model"] == tiny_nemotron.name
     assert result["warm_server_exit_status"] == 0 and "warm start: seconds to GET /health 200" in table
-    assert Path(result["compile_cache"]).parent == opts.work and traffic.warm_log(opts.log).is_file()
+    assert Path(result["compile_cache"]).parent == opts.work and not Path(result["compile_cache"]).exists()
+    assert traffic.warm_log(opts.log).is_file()
     deadline = time.monotonic() + 15   # killed processes take a moment to go
     while (_group_members(result["server_pid"]) or _group_members(result["warm_server_pid"])) \
             and time.monotonic() < deadline:
