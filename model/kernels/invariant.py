@@ -77,7 +77,8 @@ def _imprecise_acc(scaled: bool, tiles: Tiles) -> int | None:
     return tiles.k if scaled else None
 
 
-def _scales(x_scale: torch.Tensor, w_scale: torch.Tensor, rows: int, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _scales(x_scale: torch.Tensor, w_scale: torch.Tensor, rows: int,
+            channels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 scales as the kernels index them: contiguous fp32, one a row and one an output channel."""
     x_scale, w_scale = x_scale.reshape(-1).float().contiguous(), w_scale.reshape(-1).float().contiguous()
     assert x_scale.numel() == rows and w_scale.numel() == channels, (x_scale.shape, w_scale.shape, rows, channels)
@@ -203,8 +204,9 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, rows: t
     """Rows of x [P, K] sorted by group, group g = rows [ends[g-1], ends[g]) -> x_g @ w[g]^T ([E, N, K]).
     With `rows` [P], the sorted problem's row i is x[rows[i]] (read in place: no gathered copy of x).
     The tile map (which expert, which first row of each tiles.m-row tile; model.kernels.routing makes it
-    with the sort) is made here on the device when not given: no sync, a grid of fixed size. FP8 (module docstring): x and w float8_e4m3fn with x_scale
-    [T or P] (gathered with x's rows) and w_scale [E, N] (fp32), -> out_dtype."""
+    with the sort) is made here on the device when not given: no sync, a grid of fixed size. FP8 (module
+    docstring): x and w float8_e4m3fn with x_scale [T or P] (gathered with x's rows) and w_scale [E, N]
+    (fp32), -> out_dtype."""
     scaled = x_scale is not None
     assert not scaled or out_dtype is not None, "FP8 operands: say the output's dtype"
     tiles = tiles or (FP8_GROUPED_TILES if scaled else GROUPED_TILES)
