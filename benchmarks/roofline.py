@@ -17,7 +17,7 @@ from ONE run on one GPU, dummy weights in bf16.
 plus torch.profiler's top kernels of a step of each family (DiffusionGemma's with and without
 self-conditioning, and the kernels whose time differs between the two: what SC's extra time is).
   FP8 both families' FP8-dynamic shapes: P1 over the FP8 weight-read floor, FP8 / BF16 step times (the
-      BF16 runner measured again beside it), the FP8 DiffusionGemma step's profile; and in T, the seed
+      BF16 runner measured again beside it), both FP8 steps' profiles; and in T, the seed
       workload served on the FP8 DiffusionGemma at concurrency 1 and 4 (target >= 1,600 tok/s at 1)
   T   speed under real traffic, per family, from benchmarks/traffic.py (a served full-size shape as a
       subprocess, from its cold start): mixed / homogeneous committed tok/s at concurrency 8, p99 /
@@ -223,7 +223,7 @@ def step_cases(work: Path) -> dict:
 def fp8(work: Path, bandwidth: float, result: dict, skip: set[str]) -> None:
     """Both families' FP8-dynamic shapes (benchmarks/shapes.write_fp8_dynamic): P1 against the bytes an FP8
     forward reads (FP8 weights, BF16 pieces included), FP8 / BF16 step times at the BF16 rows' batches
-    (DiffusionGemma at 1 and 4 canvases, the 8B at 1 and 16), the FP8 DiffusionGemma step's profile."""
+    (DiffusionGemma at 1 and 4 canvases, the 8B at 1 and 16), both FP8 steps' profiles at batch 1."""
     out = result.setdefault("fp8", {})
     for name, (shapes, slots, max_len, batches, params) in step_cases(work).items():
         if name in skip:
@@ -237,7 +237,7 @@ def fp8(work: Path, bandwidth: float, result: dict, skip: set[str]) -> None:
                 steps += [run_requests(runner, prompts, params)["steady_step_s"] for _ in range(STEADY_REPEATS // 2)]
                 row[f"batch{b}_step_s"] = statistics.median(steps)
             row["P1"] = row["batch1_step_s"] / row["floor_s"]
-            if dtype == "fp8" and name == "gemma" and "profile" not in skip:   # one canvas
+            if dtype == "fp8" and "profile" not in skip:   # batch 1: one canvas
                 row["profile"] = profile_step(runner, batches[1][0], params.model_copy(update={"max_tokens": 256}))
             del runner
             free_cuda()

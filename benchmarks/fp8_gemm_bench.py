@@ -1,0 +1,83 @@
+"""Dense FP8 GEMMs at few rows, on the GPU host: cuBLAS's FP8 GEMM (torch._scaled_mm, what the served
+FP8 dense layers run), model.kernels.invariant's split-K matmul with FP8 operands (the batch-invariant
+mode's), and cuBLAS's BF16 GEMM, at the 8B's four projection shapes and 32 / 128 / 512 rows (the 8B at
+batch 1, 4 and 16 canvases of 32), against the FP8 weight-read floor at --bandwidth.
+
+    PYTHONPATH=. python3 benchmarks/fp8_gemm_bench.py [--json FILE]
+
+Each call is timed as the mean of 200 replays inside one CUDA graph (after 10 warm-up calls), which
+hides launch gaps as the served step's graphs do. The two FP8 kernels are also compared with each other
+(max |a - b| / max |a|): they sum in different orders, so a few 1e-3 is expected, a wrong scale is ~1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+# the 8B's projections: name -> (N, K)
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+ROWS = (32, 128, 512)
+
+
+def time_us(fn, reps: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps * 1e3
+
+
+def measure(bandwidth: float) -> dict:
+    from model.fp8 import quantize_per_channel, quantize_per_token
+    from model.kernels.fp8 import scaled_linear
+
+    result = {}
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda") * 0.02
+        wq, sw = quantize_per_channel(w)
+        sw, wb = sw.float(), w.bfloat16()
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            xq, sx = quantize_per_token(x)
+            sx = sx[:, 0]
+            row = {"cublas_fp8_us": time_us(lambda: scaled_linear(xq, sx, wq, sw, torch.bfloat16)),
+                   "invariant_fp8_us": time_us(lambda: scaled_linear(xq, sx, wq, sw, torch.bfloat16, invariant=True)),
+                   "cublas_bf16_us": time_us(lambda: x @ wb.t()),
+                   "fp8_floor_us": n * k / bandwidth * 1e6}
+            a = scaled_linear(xq, sx, wq, sw, torch.bfloat16).float()
+            b = scaled_linear(xq, sx, wq, sw, torch.bfloat16, invariant=True).float()
+            row["max_rel_diff"] = ((a - b).abs().max() / a.abs().max()).item()
+            result[f"{name}_m{m}"] = row
+            print(f"{name:<8}{m:>5}  " + "  ".join(f"{key}={value:.4g}" for key, value in row.items()), flush=True)
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s the floor assumes")
+    parser.add_argument("--json", type=Path, help="where the JSON goes (default: $OUT/fp8_gemm_bench.json if $OUT)")
+    opts = parser.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        sys.exit("fp8_gemm_bench needs a GPU with FP8 tensor cores (compute capability 8.9+)")
+    result = measure(opts.bandwidth)
+    out = opts.json or (Path(os.environ["OUT"]) / "fp8_gemm_bench.json" if os.environ.get("OUT") else None)
+    if out is not None:
+        out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
