@@ -52,20 +52,22 @@ def test_traffic_measures_a_tiny_server_from_its_cold_start(tiny_nemotron, tmp_p
     cold = result["cold_start"]
     assert 0 < cold["health_200_s"] <= cold["first_completion_s"] < 150 and cold["model"] == tiny_nemotron.name
     assert cold["ready_line_s"] is not None and cold["first_completion_attempts"] >= 1
-    for name, n in (("warmup", 2), ("homogeneous", 4), ("mixed", 4)):
+    for name, n in (("warmup", 2), ("homogeneous", 4), ("matched", 4), ("mixed", 4)):
         phase = result["phases"][name]
         assert phase["error"] is None and phase["summary"]["completed"] == n and phase["summary"]["failed"] == 0
         assert all(t is not None for t in phase["summary"]["ttfts"])
         assert set(phase["metrics_after"]) == set(GRAPH_METRICS)
         assert all(v is None or v >= 0 for v in phase["metrics_after"].values())
-    # homogeneous and mixed: the same prompts and max_tokens (ignore_eos: each commits what it asks)
+    # homogeneous, matched and mixed: the same prompts and max_tokens (ignore_eos: each commits what it asks)
     phases = result["phases"]
-    assert phases["homogeneous"]["summary"]["output_lens"] == phases["mixed"]["summary"]["output_lens"]
+    assert phases["homogeneous"]["summary"]["output_lens"] == phases["matched"]["summary"]["output_lens"] \
+        == phases["mixed"]["summary"]["output_lens"]
     assert [result["seed"][c]["summary"]["completed"] for c in ("warmup", "1", "2")] == [1, 1, 2]
     assert result["seed"]["2"]["summary"]["output_lens"] == [32, 32]
 
     rows = result["rows"]
     assert rows["mixed_over_homogeneous"] == pytest.approx(rows["mixed_tok_s"] / rows["homogeneous_tok_s"])
+    assert rows["mixed_over_homogeneous"] == pytest.approx(rows["mixed_over_matched"] * rows["matched_over_homogeneous"])
     assert rows["mixed_p99_over_median"] >= 1 and rows["failed_requests"] == 0
     assert rows["seed_over_concurrency_1"]["1"] == 1.0 and rows["seed_tok_s"]["2"] > 0
     if result["phases"]["mixed"]["memory_after_mib"] is None:   # no nvidia-smi here
@@ -138,6 +140,21 @@ def _phase(tok_s: float, median_ms: float, p99_ms: float, memory: float | None, 
                         "median_e2el_ms": median_ms, "p99_e2el_ms": p99_ms}}
 
 
+def test_the_matched_phase_keeps_a_draws_algorithm_options_alone(tmp_path):
+    """matched: each mixed request with its `diffusion` options (mode, policy) and no other; a mix that
+    draws none (DiffusionGemma's built-in) has no matched phase, whose bodies would be the homogeneous ones."""
+    mix = tmp_path / "mix.jsonl"
+    mix.write_text(MIX)
+    bodies = traffic.plan(traffic.parse_args(["--family", "nemotron-ld", "--mix", str(mix), "--requests", "24"]), "m")
+    sampling = {"temperature", "top_k", "top_p", "logprobs"}
+    for plain, matched, mixed in zip(bodies["homogeneous"], bodies["matched"], bodies["mixed"], strict=True):
+        assert plain["prompt"] == matched["prompt"] == mixed["prompt"]
+        assert plain["max_tokens"] == matched["max_tokens"] == mixed["max_tokens"]
+        assert matched.get("diffusion") == mixed.get("diffusion") and not sampling & set(matched)
+    assert sum("diffusion" in b for b in bodies["matched"]) > 0 and any(sampling & set(b) for b in bodies["mixed"])
+    assert "matched" not in traffic.plan(traffic.parse_args(["--family", "diffusion-gemma"]), "m")
+
+
 def test_rows_from_synthetic_phases():
     result = {"family": "diffusion-gemma", "server_tree": "/t", "server_commit": "abc",
               "cold_start": {"health_200_s": 50.0, "first_completion_s": 52.0},
@@ -148,6 +165,13 @@ def test_rows_from_synthetic_phases():
                        "2": _phase(1500, 1400, 1400, 70_030.0, 3.0)}}
     rows = result["rows"] = traffic.derive(result, [1, 2])
     assert rows["mixed_over_homogeneous"] == pytest.approx(0.92) and rows["mixed_p99_over_median"] == 1.8
+    assert rows["mixed_over_matched"] is None and "mixed / matched" not in traffic.format_table(result)
+    result["phases"]["matched"] = _phase(800, 1000, 1200, 70_020.0, 0.0)
+    rows = result["rows"] = traffic.derive(result, [1, 2])
+    assert rows["mixed_over_matched"] == pytest.approx(920 / 800) and rows["matched_over_homogeneous"] == 0.8
+    assert "mixed / matched (the options' own cost)" in traffic.format_table(result)
+    del result["phases"]["matched"]
+    rows = result["rows"] = traffic.derive(result, [1, 2])
     assert rows["gpu_memory_mixed_minus_warmup_mib"] == 30.0 and rows["graph_captures_after_ready"] == 3.0
     assert rows["failed_requests"] == 1 and rows["seed_over_concurrency_1"] == {"1": 1.0, "2": 1.875}
     assert rows["eager_steps_while_serving"] is None   # a server without the series
