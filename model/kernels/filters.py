@@ -108,11 +108,13 @@ def _chosen(totals_ptr, n, splits, target, NC: tl.constexpr, SPLITS_P2: tl.const
     return tl.maximum(tl.sum(ok.to(tl.int32), 0) - 1, 0), tl.sum(tl.where(d == 0, ok.to(tl.int32), 0), 0) > 0
 
 
-@triton.jit
+# the pass and its digit's shift are runtime values (one compiled kernel per mode serves every pass: a
+# cold start compiles 3 filter kernels a flag set, not 9 for bf16 logits and 17 for fp32), unspecialized
+# (triton would otherwise compile apart the values equal to 1 or divisible by 16)
+@triton.jit(do_not_specialize=["PASS", "SHIFT"])
 def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_ptr, out_ptr, xk_ptr, norm_ptr,
-                        P, V, splits, norm_splits, softcap,
-                        MODE: tl.constexpr, PASS: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
-                        HAS_SOFTCAP: tl.constexpr,
+                        P, V, splits, norm_splits, softcap, PASS, SHIFT,
+                        MODE: tl.constexpr, BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         ON_SCALED: tl.constexpr, INTERPRETED: tl.constexpr, NC: tl.constexpr,
                         SPLITS_P2: tl.constexpr, NORM_SPLITS_P2: tl.constexpr, SPLIT_SIZE: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, HISTOGRAM: tl.constexpr, BINS: tl.constexpr):
@@ -143,7 +145,8 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
         prefix = tl.zeros((), tl.int64)
         if PASS > 0:
             digit, _ = _chosen(prev_ptr, n, splits, target, NC, SPLITS_P2)
-            prefix = tl.load(prefix_ptr + (PASS - 1) * tl.num_programs(0) + n) + (digit.to(tl.int64) << (SHIFT + 4))
+            prefix = tl.load(prefix_ptr + (PASS - 1) * tl.num_programs(0) + n)
+            prefix += digit.to(tl.int64) << (SHIFT + 4).to(tl.int64)
         if split == 0:
             tl.store(prefix_ptr + PASS * tl.num_programs(0) + n, prefix)
         low = prefix.to(tl.uint32)
@@ -165,8 +168,8 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
             inside = cols < V
             x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
             top_x = tl.max(x, 0)
-            # the tile holds an entry at or above the prefix (pass 0's prefix is the smallest key)
-            reaches = (_logit_keys(top_x, BITS) >= low) if PASS > 0 else True
+            # the tile holds an entry at or above the prefix (pass 0's prefix is 0: every tile)
+            reaches = _logit_keys(top_x, BITS) >= low
             if MODE != COUNT:   # and one that survives top-k (thr = v(-inf) where no top-k: always)
                 reaches = reaches & (decided_value(top_x, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED) >= thr)
             if reaches:
@@ -181,7 +184,7 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
                     key = _logit_keys(x, BITS)
                     at = key >= low
                     # the digit, 16 for keys past the pass's range (they count in every candidate)
-                    digits = tl.minimum((key - low) >> SHIFT, 16).to(tl.int32)
+                    digits = tl.minimum((key - low) >> SHIFT.to(tl.uint32), 16).to(tl.int32)
                     if MODE == COUNT:
                         binned = tl.where(at & inside, digits + 1, 0)   # bin 0: counted in no candidate
                         if HISTOGRAM:
@@ -259,8 +262,8 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 
     def launch(mode, i, prev, prefix, out, norm_in, norm_splits, block):
         _filter_pass_kernel[(RP, splits)](
-            x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, P, V, splits, norm_splits, cap, MODE=mode.value,
-            PASS=i, SHIFT=bits - 4 * (i + 1), NORM_SPLITS_P2=triton.next_power_of_2(norm_splits), SPLIT_SIZE=width,
+            x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, P, V, splits, norm_splits, cap, i,
+            bits - 4 * (i + 1), MODE=mode.value, NORM_SPLITS_P2=triton.next_power_of_2(norm_splits), SPLIT_SIZE=width,
             BLOCK_SIZE=min(block, triton.next_power_of_2(width)), HISTOGRAM=HISTOGRAM, BINS=BINS,
             num_warps=NUM_WARPS, **flags)
 
