@@ -160,22 +160,29 @@ class Runner:
         (model/graphs.py), each run once eagerly on padding rows first, which also compiles the canvas
         steps' state updates (model/steps/compiled.py); then freezes both. Every rank calls it, in
         lockstep (its steps run the collectives). Returns what it did: the graphs by kind, the seconds it
-        took and the device memory the graphs hold."""
+        took (and by kind, with each kind's longest capture: the compiles land in the first capture of
+        each new kind of plan) and the device memory the graphs hold."""
         assert not self.slots.info, "warm_up runs before any slot is admitted"
         start = time.perf_counter()
         counts: dict[str, int] = {}
+        seconds: dict[str, float] = {}
+        longest: dict[str, float] = {}
         if self.graphs is not None:
             with torch.inference_mode(), batch_invariant(self.batch_invariant):
                 for kind, key, step, inputs in self._graph_set():
+                    began = time.perf_counter()
                     self.graphs.capture(key, step, *inputs)
+                    took = time.perf_counter() - began
                     counts[kind] = counts.get(kind, 0) + 1
+                    seconds[kind] = seconds.get(kind, 0.0) + took
+                    longest[kind] = max(longest.get(kind, 0.0), took)
             self.graphs.freeze()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         if isinstance(self.canvas_step.update, CompiledUpdate):
             self.canvas_step.update.freeze()
         return {"graphs": counts, "capture_sizes": list(self.sizes), "key_buckets": list(key_buckets(self.kv.max_len)),
-                "seconds": time.perf_counter() - start,
+                "seconds": time.perf_counter() - start, "seconds_by_kind": seconds, "longest_by_kind": longest,
                 "graph_bytes": self.graphs.pool_bytes() if self.graphs is not None else 0}
 
     def _graph_set(self):

@@ -10,6 +10,7 @@ from model.graphs import (PREFILL_GRAPH_TOKENS, StepGraphs, capture_sizes, key_b
 from model.sampling.params import DecodeParams
 from tests import served
 from workers.engine import Engine
+from workers.coordinator import describe_warm_up
 
 NEMOTRON_MIX = [
     DecodeParams(max_tokens=40, temperature=0.7, seed=1, logprobs=5, top_k=17),
@@ -100,6 +101,12 @@ def test_the_graph_set_is_a_formula_of_sizes_and_buckets(family, tiny_nemotron, 
     if family == "nemotron":
         expected["ar"] = len(sizes) * len(buckets) * 2
     assert report["graphs"] == expected
+    # the warm-up's seconds by kind, with each kind's longest capture, in the ready line
+    by_kind, longest = report["seconds_by_kind"], report["longest_by_kind"]
+    assert set(by_kind) == set(longest) == set(expected)
+    assert all(0 < longest[k] <= by_kind[k] for k in expected) and sum(by_kind.values()) <= report["seconds"]
+    line = describe_warm_up(report)
+    assert all(f"{k} {by_kind[k]:.1f} s, the longest {longest[k]:.1f}" in line for k in expected)
 
 
 def test_a_step_outside_the_set_runs_eagerly_and_is_counted(tiny_nemotron):

@@ -67,9 +67,11 @@ def describe_warm_up(report: dict) -> str:
     """One line of what a shard's warm-up did (the ready line of the log and of scripts/serve_local.py)."""
     graphs = report.get("graphs") or {}
     kinds = ", ".join(f"{kind} {n}" for kind, n in graphs.items())
+    seconds, longest = report.get("seconds_by_kind") or {}, report.get("longest_by_kind") or {}
+    split = "; ".join(f"{kind} {seconds[kind]:.1f} s, the longest {longest.get(kind, 0):.1f}" for kind in seconds)
     return (f"{sum(graphs.values())} CUDA graphs ({kinds}; batch sizes {report.get('capture_sizes')}, "
-            f"{len(report.get('key_buckets') or [])} key buckets) captured in {report.get('seconds', 0):.1f} s, "
-            f"holding {report.get('graph_bytes', 0) / 2**30:.2f} GiB")
+            f"{len(report.get('key_buckets') or [])} key buckets) captured in {report.get('seconds', 0):.1f} s"
+            + (f" ({split})" if split else "") + f", holding {report.get('graph_bytes', 0) / 2**30:.2f} GiB")
 
 
 class Coordinator:
