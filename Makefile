@@ -48,14 +48,14 @@ serve: $(STAMP)
 	MODEL="$(MODEL)" TP="$(TP)" PORT="$(PORT)" $(PY) scripts/serve_local.py $(ARGS)
 
 # On the GPU host, like test-gpu: the roofline ratios of the README's speed table from one run (about
-# 6-7.5 minutes on one H200 without the traffic rows, ARGS="--skip traffic"; they add 4-6 minutes a family
+# 6-7.5 minutes on one H200 without the traffic rows, ARGS="--skip traffic"; they add 5-7 minutes a family
 # and a warm restart each,
 # so one call of at most 10 minutes takes ARGS="--skip gemma" or "--skip nemotron"; Ray from the offline bundle).
 bench:
 	python3 -m benchmarks.roofline $(ARGS)
 
 # On the GPU host, like bench: issue 23's rows under real traffic for one family, from one cold start of
-# a served full-size shape (about 4-5 minutes on one H200). FAMILY=nemotron-ld|diffusion-gemma; TREE=path
+# a served full-size shape (5-7 minutes on one H200). FAMILY=nemotron-ld|diffusion-gemma; TREE=path
 # serves another checkout (before/after with the same client); ARGS= more flags (--help lists them;
 # --warm-restart times a second start on the caches the first filled).
 .PHONY: traffic soak-gpu
