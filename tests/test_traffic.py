@@ -67,7 +67,8 @@ def test_traffic_measures_a_tiny_server_from_its_cold_start(tiny_nemotron, tmp_p
 
     rows = result["rows"]
     assert rows["mixed_over_homogeneous"] == pytest.approx(rows["mixed_tok_s"] / rows["homogeneous_tok_s"])
-    assert rows["mixed_over_homogeneous"] == pytest.approx(rows["mixed_over_matched"] * rows["matched_over_homogeneous"])
+    split = rows["mixed_over_matched"] * rows["matched_over_homogeneous"]
+    assert rows["mixed_over_homogeneous"] == pytest.approx(split)
     assert rows["mixed_p99_over_median"] >= 1 and rows["failed_requests"] == 0
     assert rows["seed_over_concurrency_1"]["1"] == 1.0 and rows["seed_tok_s"]["2"] > 0
     if result["phases"]["mixed"]["memory_after_mib"] is None:   # no nvidia-smi here

@@ -49,7 +49,8 @@ COUNT_BLOCK = 2048   # a count pass's tile: one histogram per tile
 MASS_BLOCK = 512     # a mass pass's tile: its [16, MASS_BLOCK] fp32 totals stay in registers
 NUM_WARPS = 4
 HISTOGRAM = True     # count passes by tl.histogram (False: by 16 comparisons an entry; the same totals)
-COUNT, LOG_NORM, MASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)   # the pass kinds (constexprs: kernels read them)
+# the pass kinds (constexprs: kernels read them)
+COUNT, LOG_NORM, MASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 BINS = 32            # a count histogram's bins: below, the 16 digits, above, unused
 
 
