@@ -42,9 +42,9 @@ Committed tok/s is a phase's usage.completion_tokens over its duration, of every
 server emits only committed tokens; bench_stats' committed_throughput counts only the requests that
 report usage.diffusion, which an AR request need not). The seed workloads: DiffusionGemma's is issue
 23's, 1024-token prompts, 1024 new tokens, 16 forced denoising steps (max_denoising_steps 16,
-confidence_threshold 0), entropy bound 0.1; Nemotron-LD's is its analogue defined here, 1024-token prompts and 1024 new tokens with the
-server's default diffusion options. The default counts took about 5.5 minutes for Nemotron-LD on an
-H200 (3.8 of them its cold start), 7.1 with --warm-restart.
+confidence_threshold 0), entropy bound 0.1; Nemotron-LD's is its analogue defined here, 1024-token
+prompts and 1024 new tokens with the server's default diffusion options. The default counts took about
+5.5 minutes for Nemotron-LD on an H200 (3.8 of them its cold start), 7.1 with --warm-restart.
 """
 from __future__ import annotations
 
