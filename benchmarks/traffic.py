@@ -326,16 +326,17 @@ def derive(result: dict, levels: list[int]) -> dict:
     for rec in [*phases.values(), *seed.values()]:
         last = rec["metrics_after"]
     memory = {name: rec["memory_after_mib"] for name, rec in phases.items()}
+    tok_s = {name: _tok_s(phases.get(name)) for name in ("homogeneous", "matched", "mixed")}
     seed_tok_s = {str(c): _tok_s(seed.get(str(c))) for c in levels}
     failed = sum(rec["summary"]["failed"] if rec["summary"] else rec["requests"]
                  for rec in [*phases.values(), *seed.values()])
     return {
-        "homogeneous_tok_s": _tok_s(phases.get("homogeneous")),
-        "mixed_tok_s": _tok_s(phases.get("mixed")),
-        "mixed_over_homogeneous": _ratio(_tok_s(phases.get("mixed")), _tok_s(phases.get("homogeneous"))),
-        "matched_tok_s": _tok_s(phases.get("matched")),
-        "mixed_over_matched": _ratio(_tok_s(phases.get("mixed")), _tok_s(phases.get("matched"))),
-        "matched_over_homogeneous": _ratio(_tok_s(phases.get("matched")), _tok_s(phases.get("homogeneous"))),
+        "homogeneous_tok_s": tok_s["homogeneous"],
+        "mixed_tok_s": tok_s["mixed"],
+        "mixed_over_homogeneous": _ratio(tok_s["mixed"], tok_s["homogeneous"]),
+        "matched_tok_s": tok_s["matched"],
+        "mixed_over_matched": _ratio(tok_s["mixed"], tok_s["matched"]),
+        "matched_over_homogeneous": _ratio(tok_s["matched"], tok_s["homogeneous"]),
         "mixed_latency_median_s": mixed["median_e2el_ms"] / 1e3 if mixed and mixed["completed"] else None,
         "mixed_latency_p99_s": mixed["p99_e2el_ms"] / 1e3 if mixed and mixed["completed"] else None,
         "mixed_p99_over_median": _ratio(mixed["p99_e2el_ms"], mixed["median_e2el_ms"]) if mixed else None,

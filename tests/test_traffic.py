@@ -167,12 +167,12 @@ def test_rows_from_synthetic_phases():
     rows = result["rows"] = traffic.derive(result, [1, 2])
     assert rows["mixed_over_homogeneous"] == pytest.approx(0.92) and rows["mixed_p99_over_median"] == 1.8
     assert rows["mixed_over_matched"] is None and "mixed / matched" not in traffic.format_table(result)
-    result["phases"]["matched"] = _phase(800, 1000, 1200, 70_020.0, 0.0)
-    rows = result["rows"] = traffic.derive(result, [1, 2])
-    assert rows["mixed_over_matched"] == pytest.approx(920 / 800) and rows["matched_over_homogeneous"] == 0.8
-    assert "mixed / matched (the options' own cost)" in traffic.format_table(result)
-    del result["phases"]["matched"]
-    rows = result["rows"] = traffic.derive(result, [1, 2])
+    # with a matched phase, the ratio in its two factors
+    split = result | {"phases": result["phases"] | {"matched": _phase(800, 1000, 1200, 70_020.0, 0.0)}}
+    split["rows"] = traffic.derive(split, [1, 2])
+    assert split["rows"]["mixed_over_matched"] == pytest.approx(920 / 800)
+    assert split["rows"]["matched_over_homogeneous"] == 0.8
+    assert "mixed / matched (the options' own cost)" in traffic.format_table(split)
     assert rows["gpu_memory_mixed_minus_warmup_mib"] == 30.0 and rows["graph_captures_after_ready"] == 3.0
     assert rows["failed_requests"] == 1 and rows["seed_over_concurrency_1"] == {"1": 1.0, "2": 1.875}
     assert rows["eager_steps_while_serving"] is None   # a server without the series
