@@ -4,7 +4,9 @@
 
 A step is: the prefill of newly admitted slots (a command's first step), one forward over every
 canvas-wide row (each at its own phase: denoise, commit, draft, verify), one over every AR row, each
-followed by its sampler and state update. All per-slot state lives on the device (model/slots.py) and
+followed by its sampler and state update. Where the family's canvas step takes AR rows and the extra
+width costs less than a second forward (`ar_rides` below), the AR rows ride in the canvas forward
+instead: one read of the weights a step. All per-slot state lives on the device (model/slots.py) and
 the step kinds (model/steps) update it with device ops only, so the host reads nothing until the
 command ends: then model/outputs.py copies every slot's emitted tokens and scores, the counters and
 the slots' lengths and phases in one synchronisation. A slot that finishes mid-command (max_tokens,
@@ -44,16 +46,22 @@ from model.steps.plan import RowPlan, graph_plan, plan_rows
 from model.steps.sampler import RowSampler
 
 CANVAS_MODES = ("diffusion", "linear_spec")
+# A forward costs about a + b * tokens: a the weights' read (and the fixed work of a step), b each token's
+# compute. Riding in the canvas forward gives each AR row the canvas's width (C tokens, not 1) and saves
+# the AR forward's a, so it pays while the tokens it adds stay under a / b. The 8B's bf16 step on the H200,
+# 5.36 ms at 32 tokens and 15.57 ms at 512, puts a / b near 220 tokens; 192 leans to two forwards.
+AR_RIDE_TOKENS = 192
 
 
 class Runner:
     def __init__(self, model: DiffusionLM, num_slots: int, max_model_len: int, device: torch.device | str = "cpu",
                  cuda_graphs: bool | None = None, renoise_defaults: RenoiseDefaults | None = None,
                  max_steps_per_command: int = 64, sampler_passes: VocabPasses = TORCH_PASSES,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, ar_ride_tokens: int = AR_RIDE_TOKENS):
         """The model's family (model/families.py) gives the canvas step and the step budget;
         renoise_defaults: a uniform-noise family's schedule defaults (the checkpoint's generation_config.json;
-        None: transformers' defaults)."""
+        None: transformers' defaults); ar_ride_tokens: the most tokens AR rows may add to a canvas forward
+        by riding in it (-1: never)."""
         cfg = model.config
         self.family = FAMILIES[cfg.model_type]
         self.model, self.device = model, torch.device(device)
@@ -65,6 +73,7 @@ class Runner:
             raise ValueError("batch_invariant needs device cuda and a bf16/fp16/fp32 model (its fixed-order "
                              "kernels are triton's)")
         self.batch_invariant = batch_invariant
+        self.ar_ride_tokens = ar_ride_tokens
         # + C: a canvas (or a verify) may write scratch KV past the budget's last token
         kv = model.kv_layout.cache(num_slots, max_model_len + self.C, self.C, dtype, self.device)
         slots = SlotTable(num_slots, self.C, cfg.mask_token_id or 0, self.device)
@@ -132,8 +141,7 @@ class Runner:
                                  f"{self.outputs.max_steps}")
             self.outputs.reset()
             self.drafts.reset()
-            canvas = [s for s, i in sorted(self.slots.info.items()) if i.params.mode in CANVAS_MODES]
-            ar = [s for s, i in sorted(self.slots.info.items()) if i.params.mode == "ar"]
+            canvas, ar = self._forwards()
             steps = cmd.max_steps
             for k in range(steps):
                 if k == 0 and admitted:
@@ -154,6 +162,26 @@ class Runner:
                 events.graphs = {"eager_steps": self.graphs.eager_steps,
                                  "captured_after_ready": self.graphs.captured - self.graphs.captured_at_freeze}
             return events
+
+    def _forwards(self) -> tuple[list[int], list[int]]:
+        """The slots of each step's canvas forward and of its AR forward: the AR rows ride in the canvas
+        forward (model/steps/masked.py) where the family's canvas step takes them and the extra width
+        costs less than a second read of the weights (AR_RIDE_TOKENS). Not in the batch-invariant mode:
+        an AR row's bits would then depend on whether canvas rows share its step."""
+        canvas = [s for s, i in sorted(self.slots.info.items()) if i.params.mode in CANVAS_MODES]
+        ar = [s for s, i in sorted(self.slots.info.items()) if i.params.mode == "ar"]
+        if canvas and ar and self.ar_rides(len(canvas), len(ar)):
+            return sorted(canvas + ar), []
+        return canvas, ar
+
+    def ar_rides(self, canvas_rows: int, ar_rows: int) -> bool:
+        """Whether ar_rows AR rows ride in the forward of canvas_rows canvas rows: the tokens they add
+        (rows padded to capture sizes where graphs run) minus the AR forward's own, at most ar_ride_tokens."""
+        if self.batch_invariant or self.ar_ride_tokens < 0 or not getattr(self.canvas_step, "takes_ar_rows", False):
+            return False
+        pad = (lambda n: padded_size(n, self.sizes)) if self.graphs is not None else (lambda n: n)
+        added = (pad(canvas_rows + ar_rows) - pad(canvas_rows)) * self.C - pad(ar_rows)
+        return added <= self.ar_ride_tokens
 
     def warm_up(self) -> dict:
         """Before serving, on a runner with no slots in use: captures the closed set of graphs

@@ -3,17 +3,24 @@ draft, verify), for Nemotron-Labs-Diffusion: one forward over every row's canvas
 verify rows, then every phase's decisions computed for all rows and kept where the row is in that phase.
 Device ops only: a step reads its rows' phases on the device, so several run without the host.
 
+AR rows (SPEC.md 5) may ride along (the runner decides, model/runner.py): a causal row whose position 0
+is its last token, so that a batch of canvas and AR rows reads the weights once a step, not twice.
+Position 0 attends to the same keys as the AR step's one-token row, and its noise is keyed by position
+(model/sampling/noise.py), so it samples the token the AR step would; positions 1.. are computed and
+ignored (their KV lies past the row's length, where the next step writes).
+
     denoise  x0 = the sampler's pick; reveal by the row's policy; converged -> commit
     commit   emit the canvas (up to a clean EOS's trailing masks); the last position's prediction seeds
              the next canvas; stop at max_tokens or an EOS -> done
     draft    argmax canvas with position 0 the seed -> verify
     verify   accept the draft's prefix causal greedy agrees with; the next seed is the prediction after it
+    ar       emit position 0's prediction; stop at max_tokens or an EOS -> done
 """
 from __future__ import annotations
 
 import torch
 
-from model.phases import COMMIT, DENOISE, DONE, DRAFT, VERIFY
+from model.phases import AR, COMMIT, DENOISE, DONE, DRAFT, VERIFY
 from model.sampling.params import DecodeParams
 from model.sampling.reveal import POLICIES, reveal
 from model.slots import Scores
@@ -36,6 +43,7 @@ def contains_eos(tokens: torch.Tensor, count: torch.Tensor, eos: torch.Tensor) -
 
 class MaskedCanvasStep:
     needs_prediction = True   # a new canvas's position 0 is the preceding causal pass's prediction
+    takes_ar_rows = True      # AR rows may share its forward (above)
 
     def __init__(self, env: StepEnv):
         self.env = env
@@ -57,9 +65,13 @@ class MaskedCanvasStep:
         t.phase[idx] = torch.where(where, DENOISE, t.phase[idx])
 
     def __call__(self, plan: RowPlan, idx: torch.Tensor, scored: torch.Tensor) -> None:
-        r, t, C = self.env, self.env.slots, self.env.C
+        r, t, C, MASK = self.env, self.env.slots, self.env.C, self.env.mask_id
         phase = t.phase[idx]
-        hidden = r.forward(idx, t.canvas[idx], t.length[idx], C, (phase == COMMIT) | (phase == VERIFY), plan.kv_len)
+        is_ar = phase == AR
+        first = torch.arange(C, device=idx.device) == 0
+        tokens = torch.where(is_ar[:, None], torch.where(first, t.last_token[idx][:, None], MASK), t.canvas[idx])
+        causal = (phase == COMMIT) | (phase == VERIFY) | is_ar
+        hidden = r.forward(idx, tokens, t.length[idx], C, causal, plan.kv_len)
         x = r.logits(hidden)                                            # [B, C, V_r] raw, mask token -inf
         st = r.sampler.stats(x, idx, plan)
         scores = r.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs, idx) if plan.scored else None
@@ -72,7 +84,7 @@ class MaskedCanvasStep:
         r, t, C, MASK = self.env, self.env.slots, self.env.C, self.env.mask_id
         phase, length, canvas, n = t.phase[idx], t.length[idx], t.canvas[idx], t.n[idx]
         is_denoise, is_commit = phase == DENOISE, phase == COMMIT
-        is_draft, is_verify = phase == DRAFT, phase == VERIFY
+        is_draft, is_verify, is_ar = phase == DRAFT, phase == VERIFY, phase == AR
         live = phase != DONE
 
         # denoise: reveal candidates by the row's policy (SPEC.md 3.3-3.7)
@@ -104,14 +116,18 @@ class MaskedCanvasStep:
         accepted = torch.minimum(1 + agree, budget)
         after_accepted = torch.gather(pred, 1, (accepted - 1)[:, None]).squeeze(1)
 
-        count = torch.where(is_commit, commit_count, torch.where(is_verify, accepted, 0))
+        # ar: position 0's prediction is the next token
+        ar_token = st.sample[:, 0]
+
+        count = torch.where(is_commit, commit_count, torch.where(is_verify, accepted, is_ar.long()))
         emitted = t.emitted[idx] + count
-        eos_stop = contains_eos(canvas, count, r.eos) & ~t.ignore_eos[idx]
+        block = torch.where(is_ar[:, None], st.sample, canvas)
+        eos_stop = contains_eos(block, count, r.eos) & ~t.ignore_eos[idx]
         stop = (emitted >= t.max_tokens[idx]) | eos_stop
         block_scores = None
         if scores is not None:
-            block_scores = self._block_scores(idx[scored], is_commit[scored], scores, scores.k)
-        r.outputs.emit(idx, canvas, count, (is_commit | is_verify).long(),
+            block_scores = self._block_scores(idx[scored], is_commit[scored], is_ar[scored], scores, scores.k)
+        r.outputs.emit(idx, block, count, (is_commit | is_verify).long(),
                        torch.where(is_commit, n, is_verify.long()), block_scores, scored)
 
         # the next canvas after a commit: the prediction at position 0 if the row seeds it (SPEC.md 3(a))
@@ -125,22 +141,24 @@ class MaskedCanvasStep:
                               accepted[scored], scores)
         t.phase[idx] = torch.where(is_denoise & converged, COMMIT, torch.where(
             is_commit, torch.where(stop, DONE, DENOISE), torch.where(
-                is_draft, VERIFY, torch.where(is_verify, torch.where(stop, DONE, DRAFT), phase))))
+                is_draft, VERIFY, torch.where(
+                    is_verify, torch.where(stop, DONE, DRAFT), torch.where(is_ar & stop, DONE, phase)))))
         t.n[idx] = torch.where(is_denoise, n + 1, torch.where(is_commit, 0, n))
-        t.length[idx] = length + torch.where(is_commit, C, torch.where(is_verify, accepted, 0))
+        t.length[idx] = length + torch.where(is_commit, C, torch.where(is_verify, accepted, is_ar.long()))
         t.emitted[idx] = emitted
-        t.last_token[idx] = torch.where(is_verify, after_accepted, t.last_token[idx])
+        t.last_token[idx] = torch.where(is_verify, after_accepted, torch.where(is_ar, ar_token, t.last_token[idx]))
         t.draws[idx] += live.long()
         if plan.drafting:
             r.drafts.record(idx, denoised, ~still_masked, n + 1, is_denoise, length)
         denoising = (is_denoise | is_draft).long().sum()
-        r.outputs.add_counters(committed_tokens=(is_commit.long() * C + is_verify.long() * accepted).sum(),
+        r.outputs.add_counters(committed_tokens=(is_commit.long() * C + is_verify.long() * accepted + is_ar.long()).sum(),
                                denoising_steps=denoising, canvas_positions=denoising * C,
                                canvases=(is_commit | is_verify).long().sum(), forwards=live.long().sum())
 
-    def _block_scores(self, slots: torch.Tensor, is_commit: torch.Tensor, scores: Scores, k: int) -> Scores:
+    def _block_scores(self, slots: torch.Tensor, is_commit: torch.Tensor, is_ar: torch.Tensor, scores: Scores,
+                      k: int) -> Scores:
         """A commit emits the canvas's reveal-time scores; a verify emits the seed's score, then the causal
-        scores of the draft's positions j >= 1, predicted at j - 1 (SPEC.md 6)."""
+        scores of the draft's positions j >= 1, predicted at j - 1; an AR row its position 0's (SPEC.md 6)."""
         t = self.env.slots
         canvas = t.canvas_scores.read(slots, k)
         seed = t.seed_scores.read(slots, k)
@@ -151,14 +169,15 @@ class MaskedCanvasStep:
         verified = Scores(shift(seed.logprob, scores.logprob), shift(seed.rank, scores.rank),
                           shift(seed.top_values, scores.top_values), shift(seed.top_ids, scores.top_ids))
 
-        def pick(a, b):
+        def pick(a, b, c):
             if a is None:
                 return None
-            w = is_commit.view(-1, *([1] * (a.dim() - 1)))
-            return torch.where(w, a, b)
+            shape = (-1, *([1] * (a.dim() - 1)))
+            return torch.where(is_commit.view(shape), a, torch.where(is_ar.view(shape), c, b))
 
-        return Scores(pick(canvas.logprob, verified.logprob), pick(canvas.rank, verified.rank),
-                      pick(canvas.top_values, verified.top_values), pick(canvas.top_ids, verified.top_ids))
+        return Scores(pick(canvas.logprob, verified.logprob, scores.logprob), pick(canvas.rank, verified.rank, scores.rank),
+                      pick(canvas.top_values, verified.top_values, scores.top_values),
+                      pick(canvas.top_ids, verified.top_ids, scores.top_ids))
 
     def _keep_scores(self, slots, revealed, is_commit, is_verify, accepted, scores: Scores) -> None:
         """Reveal-time scores: denoise rows keep those of the positions they revealed; a commit row keeps
