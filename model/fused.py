@@ -4,8 +4,9 @@ one function that runs as one fused kernel on CUDA.
 At small batch a forward costs its weight reads plus one kernel per elementwise op: unfused, a layer's
 norms, rotary embedding and gated activation are tens of kernels of a few microseconds each, about as
 long as the reads themselves. On CUDA each function below is compiled by torch.compile (inductor) into
-one kernel (rotary and gemma_qkv: hand-written triton kernels, see there); elsewhere it runs as
-written, and what is written is the reference (transformers' order of operations and roundings).
+one kernel (rotary, gemma_qkv and the FP8 quantizing ones: hand-written triton kernels, see there);
+elsewhere it runs as written, and what is written is the reference (transformers' order of operations
+and roundings).
 Shapes are dynamic: one compilation per function serves every batch.
 In batch-invariant mode (model.batch_invariant) a norm's sum of squares is an opaque row kernel
 inside the compiled chain (inductor would pick its reduction layout by shape); the rest stays fused.
@@ -188,7 +189,22 @@ def gelu_mul(x: torch.Tensor) -> torch.Tensor:
 # ---- FP8-dynamic activations (model/fp8.py): quantized per row in the kernel that produces them ----
 # The FP8 kernels read activations as (rows, one scale a row). A norm or a gated activation that feeds
 # an FP8 projection returns them so, from the same kernel: no separate pass over the activations.
-# Each is the unquantized function's math, then model.fp8.quantize_per_token.
+# Each is the unquantized function's math, then model.fp8.quantize_per_token; on CUDA a row-per-program
+# triton kernel (model/kernels/quantize.py), where rows are too wide for it inductor's chain below.
+
+def _row_kernel(x: torch.Tensor, width: int) -> bool:
+    """Whether model.kernels.quantize takes rows x producing `width` values each."""
+    if not x.is_cuda:
+        return False
+    from model.kernels.quantize import takes
+
+    return takes(x, width)
+
+
+def _quantize(x: torch.Tensor, **producer):
+    from model.kernels.quantize import quantize
+
+    return quantize(x, **producer)
 
 def _per_row(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q, scale = quantize_per_token(y)
@@ -243,7 +259,9 @@ def _gemma_feedforward_inputs_quantized(h: torch.Tensor, dense_weight: torch.Ten
 def quantize_rows(x: torch.Tensor) -> Quantized:
     """x [..., K] quantized per row (one kernel reading x once): activations no kernel of ours produces
     (the attention's output)."""
-    return Quantized(*_quantized_rows(_rows(x)), x.dtype, x.shape[:-1])
+    rows = _rows(x)
+    q = _quantize(rows) if _row_kernel(rows, rows.shape[1]) else _quantized_rows(rows)
+    return Quantized(*q, x.dtype, x.shape[:-1])
 
 
 def as_quantized(x: torch.Tensor | Quantized) -> Quantized:
@@ -253,29 +271,47 @@ def as_quantized(x: torch.Tensor | Quantized) -> Quantized:
 
 def silu_mul_quantized(x: torch.Tensor) -> Quantized:
     """silu_mul(x) quantized per row, in silu_mul's kernel: the FP8 down projection's input."""
-    return Quantized(*_silu_mul_quantized(_rows(x)), x.dtype, x.shape[:-1])
+    rows = _rows(x)
+    q = _quantize(rows, gate="silu") if _row_kernel(rows, rows.shape[1] // 2) else _silu_mul_quantized(rows)
+    return Quantized(*q, x.dtype, x.shape[:-1])
 
 
 def gelu_mul_quantized(x: torch.Tensor) -> Quantized:
     """gelu_mul(x) quantized per row, in gelu_mul's kernel: the FP8 down projection's input."""
-    return Quantized(*_gelu_mul_quantized(_rows(x)), x.dtype, x.shape[:-1])
+    rows = _rows(x)
+    q = _quantize(rows, gate="gelu") if _row_kernel(rows, rows.shape[1] // 2) else _gelu_mul_quantized(rows)
+    return Quantized(*q, x.dtype, x.shape[:-1])
 
 
 def rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Quantized:
     """rms_norm(x) quantized per row, in the norm's kernel: an FP8 projection's input."""
-    return Quantized(*_rms_norm_quantized(_rows(x), weight, eps), x.dtype, x.shape[:-1])
+    rows = _rows(x)
+    if _row_kernel(rows, rows.shape[1]):
+        q = _quantize(rows, weight=weight.contiguous(), eps=eps, norm="ministral")
+    else:
+        q = _rms_norm_quantized(rows, weight, eps)
+    return Quantized(*q, x.dtype, x.shape[:-1])
 
 
 def add_rms_norm_quantized(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, Quantized]:
     """add_rms_norm with the norm quantized per row, in one kernel: (x + residual, an FP8 projection's input)."""
-    h, q, scale = _add_rms_norm_quantized(_rows(x), _rows(residual), weight, eps)
+    rows, res = _rows(x), _rows(residual)
+    if _row_kernel(rows, rows.shape[1]) and res.stride(-1) == 1:
+        h, q, scale = _quantize(rows, residual=res, weight=weight.contiguous(), eps=eps, norm="ministral")
+    else:
+        h, q, scale = _add_rms_norm_quantized(rows, res, weight, eps)
     return h.view_as(x), Quantized(q, scale, x.dtype, x.shape[:-1])
 
 
 def gemma_rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Quantized:
     """gemma_rms_norm(x) quantized per row, in the norm's kernel: an FP8 projection's input."""
-    return Quantized(*_gemma_rms_norm_quantized(_rows(x), weight, eps), x.dtype, x.shape[:-1])
+    rows = _rows(x)
+    if _row_kernel(rows, rows.shape[1]):
+        q = _quantize(rows, weight=weight.contiguous(), eps=eps, norm="gemma")
+    else:
+        q = _gemma_rms_norm_quantized(rows, weight, eps)
+    return Quantized(*q, x.dtype, x.shape[:-1])
 
 
 def gemma_feedforward_inputs_quantized(h: torch.Tensor, dense_weight: torch.Tensor, moe_weight: torch.Tensor,

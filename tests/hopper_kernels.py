@@ -211,6 +211,26 @@ def invariant_calls(family: dict, weights: list, quick: bool):
             yield f"row_cumsum d={d} {dtype}", lambda: invariant.row_cumsum(x)
 
 
+def quantize_calls(family: dict, weights: list, quick: bool):
+    """The FP8 activations' row kernel (model.kernels.quantize), every producer at each input width an FP8
+    weight reads (its block size is the compile-time part; the row count is the grid's)."""
+    from model.kernels.quantize import quantize, takes
+
+    widths = sorted({shape[-1] for shape, dtype in weights if dtype == torch.float8_e4m3fn})
+    for k in widths:
+        x = torch.empty(32, k, dtype=torch.bfloat16)
+        if not takes(x, k):
+            continue
+        w = torch.empty(k, dtype=torch.bfloat16)
+        gated = torch.empty(32, 2 * k, dtype=torch.bfloat16)
+        yield f"quantize rows K={k}", lambda: quantize(x)
+        yield f"quantize rms K={k}", lambda: quantize(x, weight=w, eps=1e-5, norm="ministral")
+        yield f"quantize add_rms K={k}", lambda: quantize(x, residual=x, weight=w, eps=1e-5, norm="ministral")
+        yield f"quantize gemma_rms K={k}", lambda: quantize(x, weight=w, eps=1e-6, norm="gemma")
+        yield f"quantize silu K={k}", lambda: quantize(gated, gate="silu")
+        yield f"quantize gelu K={k}", lambda: quantize(gated, gate="gelu")
+
+
 def nemotron_dims(name: str, cfg) -> dict:
     """What the calls read of a Nemotron-LD config (model.config, as the model reads it)."""
     v, h = cfg.vocab_size, cfg.hidden_size
@@ -285,7 +305,8 @@ def census(quick: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as work:
         for family, weights in families(Path(work), tiny=not quick):
             for gen in (attention_calls(family, quick), rope_calls(family, quick), vocab_calls(family, quick),
-                        experts_calls(family, weights, quick), invariant_calls(family, weights, quick)):
+                        experts_calls(family, weights, quick), invariant_calls(family, weights, quick),
+                        quantize_calls(family, weights, quick)):
                 for label, call in gen:
                     calls += 1
                     t = time.perf_counter()
