@@ -256,12 +256,19 @@ def _gemma_feedforward_inputs_quantized(h: torch.Tensor, dense_weight: torch.Ten
             _gemma_rms(h, None, eps) * router_scale * router_root)
 
 
+def _producer_quantized(x: torch.Tensor, chain, **producer) -> Quantized:
+    """x's rows through `producer` and quantized per row: in the row kernel where it takes them, else in
+    inductor's chain(rows)."""
+    rows = _rows(x)
+    width = rows.shape[1] // 2 if producer.get("gate") else rows.shape[1]
+    q = _quantize(rows, **producer) if _row_kernel(rows, width) else chain(rows)
+    return Quantized(*q, x.dtype, x.shape[:-1])
+
+
 def quantize_rows(x: torch.Tensor) -> Quantized:
     """x [..., K] quantized per row (one kernel reading x once): activations no kernel of ours produces
     (the attention's output)."""
-    rows = _rows(x)
-    q = _quantize(rows) if _row_kernel(rows, rows.shape[1]) else _quantized_rows(rows)
-    return Quantized(*q, x.dtype, x.shape[:-1])
+    return _producer_quantized(x, _quantized_rows)
 
 
 def as_quantized(x: torch.Tensor | Quantized) -> Quantized:
@@ -271,26 +278,18 @@ def as_quantized(x: torch.Tensor | Quantized) -> Quantized:
 
 def silu_mul_quantized(x: torch.Tensor) -> Quantized:
     """silu_mul(x) quantized per row, in silu_mul's kernel: the FP8 down projection's input."""
-    rows = _rows(x)
-    q = _quantize(rows, gate="silu") if _row_kernel(rows, rows.shape[1] // 2) else _silu_mul_quantized(rows)
-    return Quantized(*q, x.dtype, x.shape[:-1])
+    return _producer_quantized(x, _silu_mul_quantized, gate="silu")
 
 
 def gelu_mul_quantized(x: torch.Tensor) -> Quantized:
     """gelu_mul(x) quantized per row, in gelu_mul's kernel: the FP8 down projection's input."""
-    rows = _rows(x)
-    q = _quantize(rows, gate="gelu") if _row_kernel(rows, rows.shape[1] // 2) else _gelu_mul_quantized(rows)
-    return Quantized(*q, x.dtype, x.shape[:-1])
+    return _producer_quantized(x, _gelu_mul_quantized, gate="gelu")
 
 
 def rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Quantized:
     """rms_norm(x) quantized per row, in the norm's kernel: an FP8 projection's input."""
-    rows = _rows(x)
-    if _row_kernel(rows, rows.shape[1]):
-        q = _quantize(rows, weight=weight.contiguous(), eps=eps, norm="ministral")
-    else:
-        q = _rms_norm_quantized(rows, weight, eps)
-    return Quantized(*q, x.dtype, x.shape[:-1])
+    return _producer_quantized(x, lambda rows: _rms_norm_quantized(rows, weight, eps), weight=weight.contiguous(),
+                               eps=eps, norm="ministral")
 
 
 def add_rms_norm_quantized(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -306,12 +305,8 @@ def add_rms_norm_quantized(x: torch.Tensor, residual: torch.Tensor, weight: torc
 
 def gemma_rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Quantized:
     """gemma_rms_norm(x) quantized per row, in the norm's kernel: an FP8 projection's input."""
-    rows = _rows(x)
-    if _row_kernel(rows, rows.shape[1]):
-        q = _quantize(rows, weight=weight.contiguous(), eps=eps, norm="gemma")
-    else:
-        q = _gemma_rms_norm_quantized(rows, weight, eps)
-    return Quantized(*q, x.dtype, x.shape[:-1])
+    return _producer_quantized(x, lambda rows: _gemma_rms_norm_quantized(rows, weight, eps),
+                               weight=weight.contiguous(), eps=eps, norm="gemma")
 
 
 def gemma_feedforward_inputs_quantized(h: torch.Tensor, dense_weight: torch.Tensor, moe_weight: torch.Tensor,
