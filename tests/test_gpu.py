@@ -142,6 +142,36 @@ def test_cuda_ar_and_linear_speculation_agree(cuda_engine):
     assert [r.output for r in ar] == [r.output for r in spec]
 
 
+def test_cuda_ar_rows_ride_in_the_canvas_graphs(tiny_nemotron):
+    """Warmed up (fp32): AR requests beside canvas requests replay only canvas graphs (model/steps/masked.py's
+    AR rows; no AR graph, no eager step, no capture) and get the tokens they get alone in the AR graphs,
+    their logprobs within 1e-4."""
+    from model.sampling.params import DecodeParams
+    from workers.engine import Engine
+
+    ar = [DecodeParams(mode="ar", temperature=t, seed=s, max_tokens=24, ignore_eos=True, logprobs=2)
+          for t, s in ((0, 1), (0.8, 2))]
+    canvas = [DecodeParams(temperature=0.7, seed=3, max_tokens=64, ignore_eos=True, logprobs=1),
+              DecodeParams(mode="linear_spec", max_tokens=40, ignore_eos=True)]
+    prompts = [[1, 300, 301, 302], [1] + list(range(400, 440)), [1, 7, 8], [1, 9, 9, 9]]
+    with Engine(tiny_nemotron, num_slots=4, max_model_len=256, device="cuda", dtype="float32") as e:
+        runner = e.shards.runner
+        runner.warm_up()
+        captured = runner.graphs.captured
+        kinds = []
+        run = runner.graphs.run
+        runner.graphs.run = lambda key, *a: (kinds.append(key[0]), run(key, *a))[1]
+        alone = served.generate(e, prompts[:2], ar)
+        assert "ar" in kinds and "canvas" not in kinds
+        kinds.clear()
+        together = served.generate(e, prompts, ar + canvas)
+        assert "canvas" in kinds and "ar" not in kinds   # both canvas requests outlast the AR ones
+        assert (runner.graphs.captured, runner.graphs.eager_steps) == (captured, 0)
+    for a, t in zip(alone, together[:2]):
+        assert t.output == a.output
+        assert t.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+
+
 def test_serve_app_on_gpu(tiny_nemotron):
     """The app on a GPU: its replica is ready only with its CUDA graphs captured (the set the warm-up
     reports); requests of every option mix then capture nothing and run no step outside a graph."""
