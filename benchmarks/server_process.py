@@ -32,6 +32,9 @@ READY_LINE = "dllm-serve is ready"   # what serve_local prints once the weights 
 # the metrics of CUDA graphs while serving (absent on servers older than issue 23: None)
 GRAPH_METRICS = ("dllm_eager_steps_total", "dllm_graph_captures_total", "dllm_cuda_graphs",
                  "dllm_cuda_graph_memory_bytes")
+# the runner's step counters: batched forward passes and the rows they carried (passes: absent before it)
+STEP_METRICS = ("dllm_passes_total", "dllm_forwards_total")
+SCRAPED = GRAPH_METRICS + STEP_METRICS
 
 
 class ServerError(RuntimeError):
@@ -238,7 +241,7 @@ def gpu_memory_mib() -> float | None:
     return sum(values) if r.returncode == 0 and values else None
 
 
-def parse_metrics(text: str, names=GRAPH_METRICS) -> dict[str, float | None]:
+def parse_metrics(text: str, names=SCRAPED) -> dict[str, float | None]:
     """The named samples of a Prometheus text exposition, summed over their labels; None if absent."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -250,7 +253,7 @@ def parse_metrics(text: str, names=GRAPH_METRICS) -> dict[str, float | None]:
     return {name: found.get(name) for name in names}
 
 
-async def scrape_metrics(http: httpx.AsyncClient, base: str, names=GRAPH_METRICS) -> dict[str, float | None]:
+async def scrape_metrics(http: httpx.AsyncClient, base: str, names=SCRAPED) -> dict[str, float | None]:
     """`parse_metrics` of GET /metrics; every name None if it does not answer 200."""
     try:
         r = await http.get(f"{base}/metrics", timeout=30)

@@ -66,7 +66,7 @@ import numpy as np
 from benchmarks.bench_prompts import FALLBACK_VOCAB, token_id_prompts
 from benchmarks.request_mix import NAMES, Draw, MixError, load_mix
 from benchmarks.serve_bench import json_safe, request_body, run_level
-from benchmarks.server_process import (GRAPH_METRICS, REPO, ServerError, ServerProcess, gpu_memory_mib,
+from benchmarks.server_process import (REPO, SCRAPED, ServerError, ServerProcess, gpu_memory_mib,
                                        scrape_metrics, tree_commit)
 
 FAMILIES = {"nemotron-ld": "nemotron-ld-8b", "diffusion-gemma": "diffusion-gemma-26b-a4b"}   # -> shapes dir
@@ -292,7 +292,7 @@ async def run_phase(http: httpx.AsyncClient, server: ServerProcess, url: str, na
     out = {"concurrency": concurrency, "requests": len(bodies), "wall_s": time.monotonic() - t, "error": error,
            "memory_after_mib": memory, "metrics_before": before, "metrics_after": after,
            "metrics_delta": {k: None if before[k] is None or after[k] is None else after[k] - before[k]
-                             for k in GRAPH_METRICS},
+                             for k in SCRAPED},
            "summary": summary}
     if summary is None:
         print(f"  {name}: {error}", flush=True)
@@ -314,6 +314,11 @@ def _tok_s(phase: dict | None) -> float | None:
     return s["output_throughput"] if s and s["completed"] else None
 
 
+def _delta(phase: dict | None, name: str) -> float | None:
+    """A counter's growth over a phase (None where the phase or the series is missing)."""
+    return (phase.get("metrics_delta") or {}).get(name) if phase else None
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -327,6 +332,8 @@ def derive(result: dict, levels: list[int]) -> dict:
         last = rec["metrics_after"]
     memory = {name: rec["memory_after_mib"] for name, rec in phases.items()}
     tok_s = {name: _tok_s(phases.get(name)) for name in ("homogeneous", "matched", "mixed")}
+    passes = {name: _delta(phases.get(name), "dllm_passes_total") for name in ("homogeneous", "matched", "mixed")}
+    forwards = {name: _delta(phases.get(name), "dllm_forwards_total") for name in passes}
     seed_tok_s = {str(c): _tok_s(seed.get(str(c))) for c in levels}
     failed = sum(rec["summary"]["failed"] if rec["summary"] else rec["requests"]
                  for rec in [*phases.values(), *seed.values()])
@@ -340,6 +347,10 @@ def derive(result: dict, levels: list[int]) -> dict:
         "mixed_latency_median_s": mixed["median_e2el_ms"] / 1e3 if mixed and mixed["completed"] else None,
         "mixed_latency_p99_s": mixed["p99_e2el_ms"] / 1e3 if mixed and mixed["completed"] else None,
         "mixed_p99_over_median": _ratio(mixed["p99_e2el_ms"], mixed["median_e2el_ms"]) if mixed else None,
+        # the same tokens in each phase: how many weight reads (passes) each took, and the rows a pass carried
+        "passes": passes,
+        "rows_per_pass": {name: _ratio(forwards[name], passes[name]) for name in passes},
+        "mixed_over_homogeneous_passes": _ratio(passes["mixed"], passes["homogeneous"]),
         "graph_captures_after_ready": None if last is None else last["dllm_graph_captures_total"],
         "eager_steps_while_serving": None if last is None else last["dllm_eager_steps_total"],
         "cuda_graphs": None if last is None else last["dllm_cuda_graphs"],
@@ -367,6 +378,9 @@ def rows(result: dict) -> list[tuple[str, float | None, str]]:
     if r.get("matched_tok_s") is not None:
         out += [("  mixed / matched (the options' own cost)", r.get("mixed_over_matched"), ""),
                 ("  matched / homogeneous (the mix's modes, policies)", r.get("matched_over_homogeneous"), "")]
+    for name, n in (r.get("passes") or {}).items():
+        if n is not None:
+            out.append((f"  {name}: forward passes ({_fmt(r['rows_per_pass'][name])} rows a pass)", n, ""))
     out += [("p99 / median request latency under the mix", r.get("mixed_p99_over_median"), "<= 2"),
             ("graphs captured after ready", r.get("graph_captures_after_ready"), "0"),
             ("eager steps while serving", r.get("eager_steps_while_serving"), ""),

@@ -62,6 +62,9 @@ class StepCounters:
     canvas_positions: int = 0    # positions evaluated by those forwards
     canvases: int = 0            # commits
     forwards: int = 0            # every model forward (prefill, denoise, commit, AR, draft, verify)
+    # batched forward passes (each reads every weight once; padding rows of a CUDA graph ride free):
+    # forwards / passes is the rows a pass carries
+    passes: int = 0
 
     def add(self, other: "StepCounters") -> None:
         for name in self.__dataclass_fields__:

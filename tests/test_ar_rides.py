@@ -24,7 +24,8 @@ def model(tiny_nemotron):
 
 def run(model, params: list[DecodeParams], ar_ride_tokens: int, steps: int = 30):
     """One command of `steps` steps over a slot per request (its prompt's length from its seed); returns the
-    model forwards it ran and each slot's emitted tokens and scores."""
+    model forwards it ran (checked against the command's `passes` counter) and each slot's emitted tokens
+    and scores."""
     runner = Runner(model, num_slots=len(params), max_model_len=256, ar_ride_tokens=ar_ride_tokens)
     forwards = 0
     forward = runner.env.forward
@@ -37,6 +38,7 @@ def run(model, params: list[DecodeParams], ar_ride_tokens: int, steps: int = 30)
     runner.env.forward = counted
     admit = tuple(NewSlot(s, tuple(range(1, 4 + p.seed)), p, p.seed) for s, p in enumerate(params))
     events = runner.execute(Command(admit=admit, max_steps=steps))
+    assert events.counters.passes == forwards
     out = {}
     for b in events.blocks:
         got = out.setdefault(b.slot, dict(tokens=[], logprobs=[], ranks=[], top_ids=[], top_logprobs=[]))

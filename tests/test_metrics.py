@@ -32,7 +32,8 @@ def test_prometheus_text_of_stats():
     for path, status in (("/app/v1/completions", 200), ("/v1/chat/completions", 200), ("/v1/completions", 400),
                          ("/metrics", 200)):
         requests.add(endpoint_of(path), status)
-    stats = {"counters": dict(committed_tokens=64, denoising_steps=16, canvas_positions=512, canvases=2, forwards=20),
+    stats = {"counters": dict(committed_tokens=64, denoising_steps=16, canvas_positions=512, canvases=2, forwards=20,
+                             passes=9),
              "running": 0, "waiting": 3, "free_slots": 4, "num_slots": 4, "shard_failures": 1, "shard_restarts": 1,
              "shard_busy_s": 2.5, "derived": {"steps_per_canvas": 8.0, "committed_throughput": None},
              "graphs": {"eager_steps": 3, "captured_after_ready": 0},
@@ -55,6 +56,7 @@ def test_prometheus_text_of_stats():
     assert samples[("dllm_waiting", ())] == 3 and samples[("dllm_shard_restarts_total", ())] == 1
     assert samples[("dllm_shard_busy_seconds_total", ())] == 2.5
     assert samples[("dllm_committed_tokens_total", ())] == 64 and samples[("dllm_steps_per_canvas", ())] == 8.0
+    assert samples[("dllm_passes_total", ())] == 9
     assert not any(name == "dllm_committed_throughput" for name, _ in samples)   # undefined ratios are left out
     assert samples[("dllm_eager_steps_total", ())] == 3 and samples[("dllm_graph_captures_total", ())] == 0
     assert samples[("dllm_cuda_graphs", ())] == 104 and samples[("dllm_cuda_graph_memory_bytes", ())] == 2**30

@@ -240,12 +240,12 @@ def test_blocks_of_a_slots_previous_occupant_ignored_when_scheduling_ahead():
 def test_counters_accumulate():
     s = make()
     s.add("r", [1], params())
-    run(s, counters=StepCounters(0, 3, 96, 0, 4))
-    run(s, canvas(0, body(32)), counters=StepCounters(32, 2, 64, 1, 3))
-    assert s.counters == StepCounters(32, 5, 160, 1, 7)
+    run(s, counters=StepCounters(0, 3, 96, 0, 4, 2))
+    run(s, canvas(0, body(32)), counters=StepCounters(32, 2, 64, 1, 3, 3))
+    assert s.counters == StepCounters(32, 5, 160, 1, 7, 5)
     m = derived_metrics(s.counters, 2.0)
     assert m == {"committed_throughput": 16.0, "steps_per_canvas": 5.0,
-                 "committed_per_denoising_step": 6.4, "tokens_per_forward": 32 / 7}
+                 "committed_per_denoising_step": 6.4, "tokens_per_forward": 32 / 7, "rows_per_pass": 7 / 5}
     assert set(derived_metrics(StepCounters(), 0.0).values()) == {None}
 
 

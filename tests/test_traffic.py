@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from benchmarks import roofline, traffic
-from benchmarks.server_process import GRAPH_METRICS, READY_LINE, ServerError, ServerProcess, parse_metrics
+from benchmarks.server_process import GRAPH_METRICS, READY_LINE, SCRAPED, ServerError, ServerProcess, parse_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 MIX = ('{"prompt_len": {"uniform": [4, 24]}, "max_tokens": {"choice": [8, 40]}, "temperature": {"choice": [0, 0.7]}, '
@@ -56,7 +56,7 @@ def test_traffic_measures_a_tiny_server_from_its_cold_start(tiny_nemotron, tmp_p
         phase = result["phases"][name]
         assert phase["error"] is None and phase["summary"]["completed"] == n and phase["summary"]["failed"] == 0
         assert all(t is not None for t in phase["summary"]["ttfts"])
-        assert set(phase["metrics_after"]) == set(GRAPH_METRICS)
+        assert set(phase["metrics_after"]) == set(SCRAPED)
         assert all(v is None or v >= 0 for v in phase["metrics_after"].values())
     # homogeneous, matched and mixed: the same prompts and max_tokens (ignore_eos: each commits what it asks)
     phases = result["phases"]
@@ -75,6 +75,11 @@ def test_traffic_measures_a_tiny_server_from_its_cold_start(tiny_nemotron, tmp_p
         assert rows["gpu_memory_mixed_minus_warmup_mib"] is None
     table = traffic.format_table(result)
     assert "mixed / homogeneous committed tok/s" in table and "seed workload tok/s at concurrency 2 / at 1" in table
+    # the weight reads each phase took for its tokens (the server's dllm_passes_total), and the rows each carried
+    for name in ("homogeneous", "matched", "mixed"):
+        assert rows["passes"][name] > 0 and 1 <= rows["rows_per_pass"][name] <= 2, (name, rows)
+        assert f"{name}: forward passes" in table
+    assert rows["mixed_over_homogeneous_passes"] == rows["passes"]["mixed"] / rows["passes"]["homogeneous"]
 
     saved = json.loads(opts.out.read_text())
     assert saved["rows"] == json.loads(json.dumps(rows)) and saved["server_exit_status"] == 0
@@ -129,8 +134,8 @@ def test_parse_metrics_sums_labels_and_reports_absent_series_as_none():
             'dllm_graph_captures_total{model="m",kind="commit"} 1.0\n'
             '# TYPE dllm_cuda_graphs gauge\ndllm_cuda_graphs{model="m"} 40.0\n'
             '# TYPE dllm_free_slots gauge\ndllm_free_slots{model="m"} 8.0\n')
-    assert parse_metrics(text) == {"dllm_eager_steps_total": None, "dllm_graph_captures_total": 3.0,
-                                   "dllm_cuda_graphs": 40.0, "dllm_cuda_graph_memory_bytes": None}
+    assert parse_metrics(text, GRAPH_METRICS) == {"dllm_eager_steps_total": None, "dllm_graph_captures_total": 3.0,
+                                                  "dllm_cuda_graphs": 40.0, "dllm_cuda_graph_memory_bytes": None}
 
 
 def _phase(tok_s: float, median_ms: float, p99_ms: float, memory: float | None, captures: float | None,

@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     print(tokenizer.decode(request.output, skip_special_tokens=True))
     print(f"\n[{len(request.output)} tokens, finish_reason={request.finish_reason}, {wall:.2f} s]")
     print(f"committed_tokens={counters.committed_tokens} denoising_steps={counters.denoising_steps} "
-          f"canvas_positions={counters.canvas_positions} canvases={counters.canvases} forwards={counters.forwards}")
+          f"canvas_positions={counters.canvas_positions} canvases={counters.canvases} forwards={counters.forwards} "
+          f"passes={counters.passes}")
     for name, value in derived_metrics(counters, wall).items():
         print(f"{name}={'n/a' if value is None else f'{value:.3f}'}")
     if logprobs:

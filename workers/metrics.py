@@ -24,6 +24,7 @@ COUNTERS = {
     "canvas_positions": "Canvas positions evaluated by denoising forwards",
     "canvases": "Canvases committed",
     "forwards": "Model forwards per slot, of every step kind",
+    "passes": "Batched model forward passes (each reads every weight once); forwards / passes is the rows a pass carries",
 }
 GAUGES = {"running": "Requests holding a slot", "waiting": "Requests waiting for a slot (the queue depth)",
           "free_slots": "Free slots", "num_slots": "Slots"}

@@ -212,4 +212,5 @@ def derived_metrics(c: StepCounters, wall_time_s: float) -> dict[str, float | No
         "steps_per_canvas": ratio(c.denoising_steps, c.canvases),
         "committed_per_denoising_step": ratio(c.committed_tokens, c.denoising_steps),
         "tokens_per_forward": ratio(c.committed_tokens, c.forwards),
+        "rows_per_pass": ratio(c.forwards, c.passes),
     }

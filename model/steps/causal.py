@@ -29,7 +29,7 @@ class CausalSteps:
         hidden = env.forward(idx, tokens, torch.zeros_like(lengths), width, causal, width, lengths=lengths, fresh=True)
         t.length[idx] = lengths
         real = modes.any(-1)
-        env.outputs.add_counters(forwards=real.long().sum())
+        env.outputs.add_counters(forwards=real.long().sum(), passes=1)
         if not self.canvas.needs_prediction:   # a uniform-noise canvas needs no prediction from the prefix
             self.canvas.start(idx, real, None)
             return
@@ -84,5 +84,5 @@ class CausalSteps:
         t.emitted[idx] = emitted
         t.last_token[idx] = torch.where(live, token, t.last_token[idx])
         t.draws[idx] += count
-        env.outputs.add_counters(committed_tokens=count.sum(), forwards=count.sum())
+        env.outputs.add_counters(committed_tokens=count.sum(), forwards=count.sum(), passes=1)
         env.observe("after", "ar", idx)

@@ -153,7 +153,7 @@ class MaskedCanvasStep:
         denoising = (is_denoise | is_draft).long().sum()
         r.outputs.add_counters(committed_tokens=(is_commit.long() * C + is_verify.long() * accepted + is_ar.long()).sum(),
                                denoising_steps=denoising, canvas_positions=denoising * C,
-                               canvases=(is_commit | is_verify).long().sum(), forwards=live.long().sum())
+                               canvases=(is_commit | is_verify).long().sum(), forwards=live.long().sum(), passes=1)
 
     def _block_scores(self, slots: torch.Tensor, is_commit: torch.Tensor, is_ar: torch.Tensor, scores: Scores,
                       k: int) -> Scores:

@@ -150,4 +150,4 @@ class RenoiseCanvasStep:
         denoising = is_denoise.long().sum()
         r.outputs.add_counters(committed_tokens=count.sum(), denoising_steps=denoising,
                                canvas_positions=denoising * C, canvases=emitting.long().sum(),
-                               forwards=live.long().sum())
+                               forwards=live.long().sum(), passes=1)
