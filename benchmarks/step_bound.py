@@ -42,7 +42,8 @@ class Shape:
     top_k: int
     dense: int                 # other linear parameters
     head_reads: int            # reads of the V x H matrix a step (head; + self-conditioning's P W)
-    layers: tuple[tuple[int, int, int, int | None], ...]   # per layer: (q heads, kv heads, head_dim, window)
+    # per layer: (q heads, kv heads, head_dim, window, whether its values are its keys)
+    layers: tuple[tuple[int, int, int, int | None, bool], ...]
 
 
 def shape_of(family: str) -> Shape:
@@ -64,10 +65,12 @@ def shape_of(family: str) -> Shape:
     uniform = family == "diffusion-gemma"
     if uniform:
         layers = tuple((cfg.num_attention_heads, cfg.layer_num_kv_heads(i), cfg.layer_head_dim(i),
-                        cfg.sliding_window if kind == "sliding_attention" else None)
+                        cfg.sliding_window if kind == "sliding_attention" else None,
+                        kind == "full_attention" and cfg.attention_k_eq_v)
                        for i, kind in enumerate(cfg.layer_type_list))
     else:
-        layers = ((cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, None),) * cfg.num_hidden_layers
+        layers = ((cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size, None, False),) \
+            * cfg.num_hidden_layers
     return Shape(name=family, canvas=cfg.canvas_length, vocab=v, hidden=h,
                  experts=sum(math.prod(s) for s in params if len(s) == 3),
                  num_experts=getattr(cfg, "num_experts", 0) or 0, top_k=getattr(cfg, "top_k_experts", 0) or 0,
@@ -90,10 +93,10 @@ def bound(shape: Shape, rows: int, keys: int, fp8: bool = False, tflops: float =
     vh = shape.vocab * shape.hidden
     parts["head"] = shape.head_reads * max(vh * 2 / bw, 2 * vh * t / (tflops * 1e12))   # BF16 in either
     flops = kv = 0
-    for hq, hkv, d, window in shape.layers:
+    for hq, hkv, d, window, k_is_v in shape.layers:
         seen = min(keys, window + shape.canvas) if window else keys
         flops += 4 * t * seen * hq * d
-        kv += rows * seen * 2 * hkv * d * 2
+        kv += rows * seen * (1 if k_is_v else 2) * hkv * d * 2
     parts["attention"] = max(kv / bw, flops / (tflops * 1e12))
     parts["step"] = sum(parts.values())
     return parts

@@ -192,9 +192,10 @@ def gelu_mul(x: torch.Tensor) -> torch.Tensor:
 # Each is the unquantized function's math, then model.fp8.quantize_per_token; on CUDA a row-per-program
 # triton kernel (model/kernels/quantize.py), where rows are too wide for it inductor's chain below.
 
-def _row_kernel(x: torch.Tensor, width: int) -> bool:
-    """Whether model.kernels.quantize takes rows x producing `width` values each."""
-    if not x.is_cuda:
+def _row_kernel(x: torch.Tensor, width: int, *others: torch.Tensor | None) -> bool:
+    """Whether model.kernels.quantize takes rows x producing `width` values each, with `others` (a residual,
+    a weight) of x's dtype (the kernel rounds to x's; the reference would promote to theirs)."""
+    if not x.is_cuda or any(t is not None and t.dtype != x.dtype for t in others):
         return False
     from model.kernels.quantize import takes
 
@@ -261,7 +262,7 @@ def _producer_quantized(x: torch.Tensor, chain, **producer) -> Quantized:
     inductor's chain(rows)."""
     rows = _rows(x)
     width = rows.shape[1] // 2 if producer.get("gate") else rows.shape[1]
-    q = _quantize(rows, **producer) if _row_kernel(rows, width) else chain(rows)
+    q = _quantize(rows, **producer) if _row_kernel(rows, width, producer.get("weight")) else chain(rows)
     return Quantized(*q, x.dtype, x.shape[:-1])
 
 
@@ -296,7 +297,7 @@ def add_rms_norm_quantized(x: torch.Tensor, residual: torch.Tensor, weight: torc
                            eps: float) -> tuple[torch.Tensor, Quantized]:
     """add_rms_norm with the norm quantized per row, in one kernel: (x + residual, an FP8 projection's input)."""
     rows, res = _rows(x), _rows(residual)
-    if _row_kernel(rows, rows.shape[1]) and res.stride(-1) == 1:
+    if _row_kernel(rows, rows.shape[1], res, weight) and res.stride(-1) == 1:
         h, q, scale = _quantize(rows, residual=res, weight=weight.contiguous(), eps=eps, norm="ministral")
     else:
         h, q, scale = _add_rms_norm_quantized(rows, res, weight, eps)

@@ -49,7 +49,8 @@ CANVAS_MODES = ("diffusion", "linear_spec")
 # A forward costs about a + b * tokens: a the weights' read (and the fixed work of a step), b each token's
 # compute. Riding in the canvas forward gives each AR row the canvas's width (C tokens, not 1) and saves
 # the AR forward's a, so it pays while the tokens it adds stay under a / b. The 8B's bf16 step on the H200,
-# 5.36 ms at 32 tokens and 15.57 ms at 512, puts a / b near 220 tokens; 192 leans to two forwards.
+# 5.36 ms at 32 tokens and 15.57 ms at 512, puts a / b near 220 tokens; 192 leans to two forwards. (FP8
+# weights halve both a and b.) A token's attention over its keys adds to b: Runner.keys_per_token.
 AR_RIDE_TOKENS = 192
 
 
@@ -74,6 +75,7 @@ class Runner:
                              "kernels are triton's)")
         self.batch_invariant = batch_invariant
         self.ar_ride_tokens = ar_ride_tokens
+        self.keys_per_token = keys_per_token(model)
         # + C: a canvas (or a verify) may write scratch KV past the budget's last token
         kv = model.kv_layout.cache(num_slots, max_model_len + self.C, self.C, dtype, self.device)
         slots = SlotTable(num_slots, self.C, cfg.mask_token_id or 0, self.device)
@@ -141,8 +143,8 @@ class Runner:
                                  f"{self.outputs.max_steps}")
             self.outputs.reset()
             self.drafts.reset()
-            canvas, ar = self._forwards()
             steps = cmd.max_steps
+            canvas, ar = self._forwards(admitted, steps)
             for k in range(steps):
                 if k == 0 and admitted:
                     self._prefill(admitted)
@@ -163,25 +165,26 @@ class Runner:
                                  "captured_after_ready": self.graphs.captured - self.graphs.captured_at_freeze}
             return events
 
-    def _forwards(self) -> tuple[list[int], list[int]]:
+    def _forwards(self, admitted: list[int], steps: int) -> tuple[list[int], list[int]]:
         """The slots of each step's canvas forward and of its AR forward: the AR rows ride in the canvas
         forward (model/steps/masked.py) where the family's canvas step takes them and the extra width
         costs less than a second read of the weights (AR_RIDE_TOKENS). Not in the batch-invariant mode:
         an AR row's bits would then depend on whether canvas rows share its step."""
         canvas = [s for s, i in sorted(self.slots.info.items()) if i.params.mode in CANVAS_MODES]
         ar = [s for s, i in sorted(self.slots.info.items()) if i.params.mode == "ar"]
-        if canvas and ar and self.ar_rides(len(canvas), len(ar)):
+        if canvas and ar and self.ar_rides(len(canvas), len(ar), self._keys(canvas + ar, admitted, steps, self.C)):
             return sorted(canvas + ar), []
         return canvas, ar
 
-    def ar_rides(self, canvas_rows: int, ar_rows: int) -> bool:
-        """Whether ar_rows AR rows ride in the forward of canvas_rows canvas rows: the tokens they add
-        (rows padded to capture sizes where graphs run) minus the AR forward's own, at most ar_ride_tokens."""
+    def ar_rides(self, canvas_rows: int, ar_rows: int, kv_len: int = 0) -> bool:
+        """Whether ar_rows AR rows ride in the forward of canvas_rows canvas rows reading up to kv_len keys:
+        the tokens they add (rows padded to capture sizes where graphs run) minus the AR forward's own,
+        each weighed with its attention over kv_len keys, at most ar_ride_tokens."""
         if self.batch_invariant or self.ar_ride_tokens < 0 or not getattr(self.canvas_step, "takes_ar_rows", False):
             return False
         pad = (lambda n: padded_size(n, self.sizes)) if self.graphs is not None else (lambda n: n)
         added = (pad(canvas_rows + ar_rows) - pad(canvas_rows)) * self.C - pad(ar_rows)
-        return added <= self.ar_ride_tokens
+        return added * (1 + kv_len / self.keys_per_token) <= self.ar_ride_tokens
 
     def warm_up(self) -> dict:
         """Before serving, on a runner with no slots in use: captures the closed set of graphs
@@ -324,6 +327,17 @@ class Runner:
     def _count_eager(self) -> None:
         if self.graphs is not None and self.graphs.frozen:
             self.graphs.eager_steps += 1
+
+
+def keys_per_token(model: DiffusionLM) -> float:
+    """How many keys a token attends to for the FLOPs of its pass through the linear layers: 2 x their
+    parameters against 4 x heads x head_dim per key and layer (QK and PV), on this rank's share of both."""
+    cfg = model.config
+    vocab = cfg.vocab_size
+    linear = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and vocab not in p.shape)
+    heads = cfg.num_attention_heads // model.tp.world_size
+    per_key = 4 * heads * (getattr(cfg, "head_size", None) or cfg.head_dim) * cfg.num_hidden_layers
+    return 2 * linear / per_key
 
 
 def sampler_passes(device: str) -> VocabPasses:

@@ -84,5 +84,18 @@ def test_ar_rows_ride_only_while_the_width_they_add_costs_less_than_a_forward(mo
     assert runner.ar_rides(7, 1) and runner.ar_rides(5, 3)
     assert not runner.ar_rides(8, 8)             # 8 more rows of C: 256 tokens
     assert runner.ar_rides(12, 4)                # padded to 16 either way
+    # each added token also attends to the keys: at keys_per_token keys it weighs two
+    assert runner.ar_rides(4, 4, kv_len=0) and not runner.ar_rides(4, 4, kv_len=int(runner.keys_per_token))
     runner.ar_ride_tokens = -1
     assert not runner.ar_rides(7, 1)
+
+
+def test_a_key_weighs_the_attention_against_the_linear_layers(model):
+    """keys_per_token: 2 x the linear layers' parameters over 4 x heads x head_dim x layers."""
+    from model.runner import keys_per_token
+
+    cfg = model.config
+    linear = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n
+                 and "head" not in n)
+    per_key = 4 * cfg.num_attention_heads * cfg.head_size * cfg.num_hidden_layers
+    assert keys_per_token(model) == pytest.approx(2 * linear / per_key)

@@ -18,7 +18,8 @@ def test_the_shapes_are_counted_from_the_published_configs(shapes):
     # the 26B-A4B: 30 layers of 128 experts, gate_up 1408 x 2816 and down 2816 x 704; top 8
     assert dg.experts == 30 * 128 * (1408 * 2816 + 2816 * 704) and (dg.num_experts, dg.top_k) == (128, 8)
     assert (dg.canvas, dg.vocab, dg.hidden, dg.head_reads) == (256, 262144, 2816, 2)
-    assert len(dg.layers) == 30 and {w for *_, w in dg.layers} == {None, 1024}
+    assert len(dg.layers) == 30 and {w for *_, w, _ in dg.layers} == {None, 1024}
+    assert all(k_is_v == (w is None) for *_, w, k_is_v in dg.layers)   # full layers: values are their keys
 
 
 def test_each_part_is_the_larger_of_its_reads_and_its_compute(shapes):

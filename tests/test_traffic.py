@@ -77,7 +77,8 @@ def test_traffic_measures_a_tiny_server_from_its_cold_start(tiny_nemotron, tmp_p
     assert "mixed / homogeneous committed tok/s" in table and "seed workload tok/s at concurrency 2 / at 1" in table
     # the weight reads each phase took for its tokens (the server's dllm_passes_total), and the rows each carried
     for name in ("homogeneous", "matched", "mixed"):
-        assert rows["passes"][name] > 0 and 1 <= rows["rows_per_pass"][name] <= 2, (name, rows)
+        # (a pass whose rows are all done, idling to its command's end, counts no row: below 1 is possible)
+        assert rows["passes"][name] > 0 and 0 < rows["rows_per_pass"][name] <= 2, (name, rows)
         assert f"{name}: forward passes" in table
     assert rows["mixed_over_homogeneous_passes"] == rows["passes"]["mixed"] / rows["passes"]["homogeneous"]
 
