@@ -145,13 +145,16 @@ class Runner:
             self.drafts.reset()
             steps = cmd.max_steps
             canvas, ar = self._forwards(admitted, steps)
+            # the keys each forward may read in the command (the host's lengths change only at its end)
+            canvas_keys = self._keys(canvas, admitted, steps, self.C) if canvas else 0
+            ar_keys = self._keys(ar, admitted, steps, 1) if ar else 0
             for k in range(steps):
                 if k == 0 and admitted:
                     self._prefill(admitted)
                 if canvas:
-                    self._run("canvas", self.canvas_step, canvas, self._keys(canvas, admitted, steps, self.C))
+                    self._run("canvas", self.canvas_step, canvas, canvas_keys)
                 if ar:
-                    self._run("ar", self.causal.ar_step, ar, self._keys(ar, admitted, steps, 1))
+                    self._run("ar", self.causal.ar_step, ar, ar_keys)
             events.steps = steps
             scored = {s: i.params.logprobs for s, i in self.slots.info.items() if i.wants_scores}
             drafting = [s for s, i in sorted(self.slots.info.items()) if i.params.stream_drafts]
