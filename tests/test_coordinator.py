@@ -21,20 +21,23 @@ SLOTS = 2
 class QueuedShards:
     """start/execute/ping/stop over an in-process runner; `fail_at`: the call number that fails."""
 
-    def __init__(self, model_dir: str, fail_at: int | None = None, failure: Exception | None = None):
-        self.model_dir, self.fail_at = model_dir, fail_at
+    def __init__(self, model_dir: str, fail_at: int | None = None, failure: Exception | None = None,
+                 slots: int = SLOTS, max_steps: int = 4):
+        self.model_dir, self.fail_at, self.slots, self.max_steps = model_dir, fail_at, slots, max_steps
         self.failure = failure or ShardFailure("a shard failed: injected")
         self.gate = threading.Event()   # commands run only while it is set
         self.gate.set()
         self.calls = self.in_flight = self.most_in_flight = 0
         self.pids: list[int] = []
+        self.commands = []   # as sent, in order
 
     async def start(self) -> None:
-        self.inner = InProcessShards(RunnerArgs.read(self.model_dir, num_slots=SLOTS, max_model_len=512,
-                                                     max_steps_per_command=4))
+        self.inner = InProcessShards(RunnerArgs.read(self.model_dir, num_slots=self.slots, max_model_len=512,
+                                                     max_steps_per_command=self.max_steps))
         self.pool = ThreadPoolExecutor(1)
 
     async def execute(self, cmd):
+        self.commands.append(cmd)
         self.calls += 1
         call = self.calls
         self.in_flight += 1
@@ -59,8 +62,8 @@ class QueuedShards:
 
 
 def coordinator(model_dir, shards, overlap: bool) -> Coordinator:
-    return Coordinator(Checkpoint.read(model_dir), shards, num_slots=SLOTS, max_model_len=512, max_queue=8,
-                       max_steps_per_command=4, overlap_commands=overlap, request_timeout_s=120)
+    return Coordinator(Checkpoint.read(model_dir), shards, num_slots=shards.slots, max_model_len=512, max_queue=8,
+                       max_steps_per_command=shards.max_steps, overlap_commands=overlap, request_timeout_s=120)
 
 
 async def tokens_of(c: Coordinator, prompt, params) -> list[int]:
@@ -73,8 +76,9 @@ async def tokens_of(c: Coordinator, prompt, params) -> list[int]:
 REQUESTS = [([1, 5, 9], 32), ([1, 7], 64), ([1, 3, 4, 8], 96), ([1, 6], 40)]   # 4 requests, 2 slots: some wait
 
 
-def params(max_tokens: int) -> DecodeParams:
-    return DecodeParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, max_denoising_steps=3)
+def params(max_tokens: int, steps: int = 3) -> DecodeParams:
+    """At most `steps` + 1 steps a block of 32."""
+    return DecodeParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, max_denoising_steps=steps)
 
 
 async def serve_all(model_dir, overlap: bool):
@@ -125,7 +129,8 @@ def test_a_request_arriving_while_one_command_runs_is_queued_behind_it(tiny_nemo
         shards = QueuedShards(tiny_nemotron)
         c = coordinator(tiny_nemotron, shards, overlap=True)
         shards.gate.clear()                                   # the first command cannot finish yet
-        first = asyncio.ensure_future(tokens_of(c, [1, 5, 9], params(32)))   # 4 steps: one command
+        # 2 steps: one command (a short one: it leaves a slot free, workers/scheduler.py's bursts)
+        first = asyncio.ensure_future(tokens_of(c, [1, 5, 9], params(32, steps=1)))
         while shards.calls < 1:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)
@@ -144,6 +149,39 @@ def test_a_request_arriving_while_one_command_runs_is_queued_behind_it(tiny_nemo
     queued_while_running, outs = asyncio.run(scenario())
     assert queued_while_running
     assert [len(t) for t in outs] == [32, 32]
+
+
+@pytest.mark.parametrize("admission_steps", [2, 8], ids=["short", "as-long-as-any"])
+def test_a_burst_arriving_while_commands_run_starts_soon_after_its_first_request(tiny_nemotron, admission_steps):
+    """Requests that come together but one after another (a burst): the first one's command and the one
+    queued behind it are short, so the rest, arriving while both are in flight, start 2 x
+    admission_steps steps after it and share the steps after that; with admission commands as long as
+    any (8 steps, as before the scheduler knew of bursts), 16 steps after it."""
+    async def scenario():
+        shards = QueuedShards(tiny_nemotron, slots=4, max_steps=8)
+        c = coordinator(tiny_nemotron, shards, overlap=True)
+        c.scheduler.admission_steps = admission_steps
+        shards.gate.clear()
+        first = asyncio.ensure_future(tokens_of(c, [1, 5, 9], params(256)))   # 8 blocks of 4 steps
+        for _ in range(500):
+            if shards.calls == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert shards.calls == 2 and shards.in_flight == 2   # its command, and one queued behind
+        rest = [asyncio.ensure_future(tokens_of(c, p, params(256))) for p in ([1, 7], [1, 3, 4, 8])]
+        await asyncio.sleep(0.1)
+        shards.gate.set()
+        outs = await asyncio.wait_for(asyncio.gather(first, *rest), 60)
+        c._loop_task.cancel()
+        return shards.commands, outs
+
+    commands, outs = asyncio.run(scenario())
+    assert [len(t) for t in outs] == [256] * 3
+    start, done = {}, 0   # the step each slot's request starts at
+    for command in commands:
+        start.update({admitted.slot: done for admitted in command.admit})
+        done += command.max_steps
+    assert sorted(start.values()) == [0, 2 * admission_steps, 2 * admission_steps]
 
 
 def test_a_rejected_request_ends_with_the_field_at_fault(tiny_nemotron, tmp_path):

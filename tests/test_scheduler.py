@@ -354,7 +354,10 @@ def test_commands_sized_by_the_slots_step_bounds():
     assert s.schedule().max_steps == 1                 # the AR request may free its slot after 1 step
     s.apply(Events([Block(0, body(1))], 1, StepCounters(), steps_left={0: 0, 1: 2}))
     command = s.schedule()                             # "third" admitted (7 canvases x 33), nothing waits
-    assert len(command.admit) == 1 and command.max_steps == 40
+    # short: "long" frees its slot within 2 steps, and the next request may come (bursts, below)
+    assert len(command.admit) == 1 and command.max_steps == 2
+    s.apply(Events([Block(1, body(64), 18, 2)], 2, StepCounters(), steps_left={0: 229, 1: 0}))   # "long" ends
+    assert s.schedule().max_steps == 40
     # a command handed out before the last one's events: their bounds predate its steps
     ahead = s.schedule()
     s.apply(Events([], 40, StepCounters(), steps_left={0: 100, 1: 1}))
@@ -377,7 +380,10 @@ def test_commands_scheduled_ahead_run_only_what_outlasts_the_commands_in_flight(
     command = s.schedule()                                 # a finished: c takes its slot at once
     assert command.release == (0,) and [n.slot for n in command.admit] == [0]
 
-    s = make(num_slots=3, max_queue=4, max_model_len=512, max_steps_per_command=8, budget=StepBudget(C))
+    # (no short commands for bursts here, test_commands_stay_short_while_a_burst_may_be_arriving: the
+    # first command leaves a slot free)
+    s = make(num_slots=3, max_queue=4, max_model_len=512, max_steps_per_command=8, budget=StepBudget(C),
+             admission_steps=8)
     s.add("a", [1], params(max_tokens=32, max_denoising_steps=4))
     s.add("b", [1], params(max_tokens=64, max_denoising_steps=9))
     s.schedule()                                           # a: bound 0 after it, b: 12
@@ -388,10 +394,54 @@ def test_commands_scheduled_ahead_run_only_what_outlasts_the_commands_in_flight(
 
     s = make(num_slots=2, max_queue=4, max_model_len=512, max_steps_per_command=8, budget=StepBudget(C))
     s.add("b", [1], params(max_tokens=64, max_denoising_steps=9))
-    assert s.schedule().max_steps == 8
+    s.add("c", [1], params(max_tokens=64, max_denoising_steps=9))
+    assert s.schedule().max_steps == 8                     # both slots taken: no burst can join
     assert s.schedule(ahead=True).max_steps == 8
+    s.apply(Events())
     assert s.schedule(ahead=True).max_steps == 4
-    assert s.schedule(ahead=True) is None                  # b's 20 steps are all in flight
-    s.add("d", [1], params(max_tokens=32))                 # a free slot: queued ahead, admitted there
+    assert s.schedule(ahead=True) is None                  # their 20 steps are all in flight
+
+
+def test_commands_stay_short_while_a_burst_may_be_arriving():
+    """A command that admits requests and leaves a slot free, and a command queued behind it, run
+    admission_steps: the rest of a burst starts that soon after its first request. Once the admission's
+    command is back, or when the admission fills every slot, commands are long again; a command in which
+    a request finishes, and one queued behind it, are short too (its successor may come), unless a
+    request already waits for the slot."""
+    from model.phases import StepBudget
+
+    long = params(max_tokens=256, max_denoising_steps=9)     # 8 canvases x 10 steps: outlasts everything
+    s = make(num_slots=3, max_queue=4, max_model_len=512, max_steps_per_command=8, budget=StepBudget(C))
+    s.add("a", [1], long)
+    command = s.schedule()
+    assert len(command.admit) == 1 and command.max_steps == 2        # two slots left free
+    assert s.schedule(ahead=True).max_steps == 2                     # queued behind the admission
+    s.apply(Events())
+    assert s.schedule(ahead=True).max_steps == 8                     # the admission is back: no burst came
+    s.add("b", [1], long)
+    s.add("c", [1], long)
     command = s.schedule(ahead=True)
-    assert [n.slot for n in command.admit] == [1] and command.max_steps == 8
+    assert len(command.admit) == 2 and command.max_steps == 8        # every slot taken: nothing can join
+
+    for successor_waits in (False, True):
+        s = make(num_slots=2, max_queue=4, max_model_len=512, max_steps_per_command=8, budget=StepBudget(C))
+        s.add("a", [1], params(max_tokens=32, max_denoising_steps=9))    # 1 canvas: 9 + 1 steps
+        s.add("b", [1], long)
+        assert s.schedule().max_steps == 8                               # both slots taken: long
+        s.apply(Events([], 8, StepCounters(), steps_left={0: 2, 1: 72}))
+        assert s.schedule().max_steps == 2                               # a finishes in it: its successor may come
+        if successor_waits:   # already here: admitted right after a's events, as before
+            s.add("d", [1], long)
+            assert s.schedule(ahead=True) is None
+        else:
+            assert s.schedule(ahead=True).max_steps == 2                 # queued behind it
+            s.add("d", [1], long)                                        # it comes, while both run
+            assert s.schedule(ahead=True) is None                        # a's slot is not free yet
+        s.apply(Events([Block(0, body(32), 10, 1)], 2, StepCounters(), steps_left={0: 0, 1: 70}))
+        command = s.schedule(ahead=not successor_waits)                  # behind the short one, if any
+        assert [n.slot for n in command.admit] == [0] and command.max_steps == 8   # all slots taken again
+
+
+def test_admission_steps_are_validated():
+    with pytest.raises(ValueError, match="admission_steps=0"):
+        make(admission_steps=0)

@@ -12,6 +12,16 @@ blocks for slots that no request holds. A command scheduled ahead (`schedule(ahe
 only when it admits a request or some request can still run after the commands in flight (a slot that
 finishes with them idles through it), and not when a slot frees with them while requests wait and no
 slot is free (admitting them right after is sooner); its size leaves out the slots that finish first.
+
+Requests come in bursts: a client sends several at once, and clients that each send their next request
+when the last ends send theirs together when their requests ended together. A burst's first request
+would start a command of max_steps_per_command steps (and the one queued behind it) alone, and the rest
+would start that much later, so their rows would share fewer steps to the end, and again in every later
+round. So while a burst may be arriving, and while no request waits, the commands are short
+(`admission_steps`): a command that admits requests and leaves a slot free (or one that frees within a
+short command), a command queued behind it, and a command in which a request may finish or that is
+queued behind one in which it does (its slot is where the next request goes). A request of a burst
+that arrives while they are in flight starts at most two short commands after the burst's first.
 """
 from __future__ import annotations
 
@@ -31,6 +41,9 @@ from workers.request import Request, RequestOutput
 # canvases start as uniform noise and are renoised at any temperature, and this makes that noise the same
 # every time (README, "temperature").
 TEMPERATURE_0_SEED = 0
+# A short command's steps while a burst of requests may be arriving (the module's docstring): the rest of a
+# burst then starts at most 2 x 2 steps behind its first request, against 2 x max_steps_per_command.
+ADMISSION_STEPS = 2
 
 
 class QueueFull(Exception):
@@ -40,12 +53,14 @@ class QueueFull(Exception):
 class Scheduler:
     def __init__(self, num_slots: int, max_queue: int, eos_token_ids: Sequence[int], max_model_len: int,
                  canvas_length: int, max_steps_per_command: int = 8, seed: int = 0,
-                 budget: StepBudget | None = None):
+                 budget: StepBudget | None = None, admission_steps: int = ADMISSION_STEPS):
         """budget: the runner's step bounds for admitted requests; None sizes every command at
-        max_steps_per_command until the runner's events report bounds."""
+        max_steps_per_command until the runner's events report bounds. admission_steps: the most steps
+        of a command while a burst of requests may be arriving (above)."""
         for name, value, least in (("num_slots", num_slots, 1), ("max_queue", max_queue, 0),
                                    ("max_model_len", max_model_len, 1), ("canvas_length", canvas_length, 1),
-                                   ("max_steps_per_command", max_steps_per_command, 1)):
+                                   ("max_steps_per_command", max_steps_per_command, 1),
+                                   ("admission_steps", admission_steps, 1)):
             if value < least:
                 raise ValueError(f"{name}={value} must be >= {least}")
         self.num_slots = num_slots
@@ -54,6 +69,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.canvas_length = canvas_length
         self.max_steps_per_command = max_steps_per_command
+        self.admission_steps = admission_steps
         self.budget = budget
         self.counters = StepCounters()   # totals since start (SPEC.md section 8)
         self._rng = random.Random(seed)
@@ -65,6 +81,7 @@ class Scheduler:
         self._scheduled = 0                    # commands handed out
         self._applied = 0                      # events applied
         self._in_flight: deque[int] = deque()  # steps of the commands handed out and not yet applied
+        self._open: deque[bool] = deque()      # of each: whether it admitted requests and left a slot free
 
     @property
     def num_running(self) -> int:
@@ -143,10 +160,16 @@ class Scheduler:
         self._scheduled += 1
         # With nothing left running, the command only frees slots: no forward to run.
         steps = self._command_steps(running) if running else 0
+        # slots that free with the commands in flight or within a short command: where the next requests go
+        freeing = sum(r.steps_left is not None and r.steps_left <= self.admission_steps for r in running)
+        opens = bool(admit) and not self._waiting and len(running) - freeing < self.num_slots
+        if opens or (not self._waiting and (freeing or any(self._open))):
+            steps = min(steps, self.admission_steps)   # a burst may be arriving
         for request in running:
             if request.steps_left is not None:
                 request.steps_left = max(request.steps_left - steps, 0)
         self._in_flight.append(steps)
+        self._open.append(opens)
         return Command(release, tuple(admit), steps)
 
     def _worth_queueing(self) -> bool:
@@ -174,6 +197,7 @@ class Scheduler:
         command = self._applied
         self._applied += 1
         self._in_flight.popleft()
+        self._open.popleft()
         later = sum(self._in_flight)   # steps handed out after this command: its bounds predate them
         self.counters.add(events.counters)
         for slot, bound in events.steps_left.items():
