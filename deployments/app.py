@@ -511,7 +511,7 @@ def build_app(args: dict):
                              max_steps_per_command=a.max_steps_per_command, batch_invariant=a.batch_invariant)
     engine_args = dict(num_slots=a.max_num_seqs, max_model_len=a.max_model_len, max_queue=a.max_queue,
                        max_steps_per_command=a.max_steps_per_command, request_timeout_s=a.request_timeout_s,
-                       overlap_commands=a.overlap_commands)
+                       overlap_commands=a.overlap_commands, admission_steps=a.admission_steps)
     scaling = {"num_replicas": a.num_replicas or 1} if a.autoscaling_config is None else \
         {"autoscaling_config": a.autoscaling_config}
     coordinator = CoordinatorDeployment.options(

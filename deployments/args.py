@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from model.sampling.params import Mode, RevealPolicy
+from workers.scheduler import ADMISSION_STEPS
 
 BATCH_INVARIANT_NEEDS_CUDA = "batch_invariant=true needs device=cuda (its fixed-order kernels are triton's)"
 DEFAULT_MODEL_CACHE = Path(os.environ.get("DLLM_CACHE", Path.home() / ".cache" / "dllm-serve"))
@@ -36,6 +37,9 @@ class AppArgs(BaseModel):
     overlap_commands: bool = Field(True, description="keep the next command queued at the shards while one runs "
                                    "(no idle round trip between commands; a request arriving then starts one "
                                    "command later)")
+    admission_steps: int = Field(ADMISSION_STEPS, ge=1, le=256, description="the steps of a command while a burst "
+                                 "of requests may be arriving (workers/scheduler.py); max_steps_per_command "
+                                 "or more: no short commands")
     batch_invariant: bool = Field(False, description="a request's tokens and logprobs the same bits alone or in any "
                                   "batch (CUDA; fixed-order kernels, slower: see the README's speed table)")
     num_replicas: int | None = Field(None, ge=1, description="model instances (default 1); not with "

@@ -61,9 +61,9 @@ class QueuedShards:
         self.pool.shutdown(wait=True)
 
 
-def coordinator(model_dir, shards, overlap: bool) -> Coordinator:
+def coordinator(model_dir, shards, overlap: bool, **kw) -> Coordinator:
     return Coordinator(Checkpoint.read(model_dir), shards, num_slots=shards.slots, max_model_len=512, max_queue=8,
-                       max_steps_per_command=shards.max_steps, overlap_commands=overlap, request_timeout_s=120)
+                       max_steps_per_command=shards.max_steps, overlap_commands=overlap, request_timeout_s=120, **kw)
 
 
 async def tokens_of(c: Coordinator, prompt, params) -> list[int]:
@@ -159,8 +159,7 @@ def test_a_burst_arriving_while_commands_run_starts_soon_after_its_first_request
     any (8 steps, as before the scheduler knew of bursts), 16 steps after it."""
     async def scenario():
         shards = QueuedShards(tiny_nemotron, slots=4, max_steps=8)
-        c = coordinator(tiny_nemotron, shards, overlap=True)
-        c.scheduler.admission_steps = admission_steps
+        c = coordinator(tiny_nemotron, shards, overlap=True, admission_steps=admission_steps)
         shards.gate.clear()
         first = asyncio.ensure_future(tokens_of(c, [1, 5, 9], params(256)))   # 8 blocks of 4 steps
         for _ in range(500):

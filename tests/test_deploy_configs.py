@@ -119,6 +119,16 @@ def test_the_default_denoising_steps_stay_within_the_limit():
     assert AppArgs(max_denoising_steps=2000, denoising_steps_limit=4096).max_denoising_steps == 2000
 
 
+def test_admission_steps_from_the_command_line_and_bounded():
+    """`admission_steps=8` (a string from `serve run`) turns the scheduler's short commands off; 0 is no
+    command at all: a deploy error naming it."""
+    from workers.scheduler import ADMISSION_STEPS
+
+    assert AppArgs().admission_steps == ADMISSION_STEPS and AppArgs(admission_steps="8").admission_steps == 8
+    with pytest.raises(pydantic.ValidationError, match="admission_steps"):
+        AppArgs(admission_steps=0)
+
+
 def test_quantization_argument_is_checked_against_the_checkpoint_at_deploy(tiny_nemotron, tmp_path):
     """vLLM's --quantization: unset or the checkpoint's own method builds; asking an unquantized checkpoint
     for compressed-tensors fails the deploy naming the argument."""

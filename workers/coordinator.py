@@ -28,7 +28,7 @@ from model.sampling.params import DecodeParams, ParamError
 from workers.failures import ShardFailure
 from workers.metrics import RequestMetrics
 from workers.request import RequestOutput
-from workers.scheduler import QueueFull, Scheduler, derived_metrics
+from workers.scheduler import ADMISSION_STEPS, QueueFull, Scheduler, derived_metrics
 
 log = logging.getLogger("dllm.coordinator")
 
@@ -80,7 +80,7 @@ class Coordinator:
 
     def __init__(self, checkpoint: Checkpoint, shards, *, num_slots: int, max_model_len: int, max_queue: int,
                  max_steps_per_command: int, seed: int = 0, request_timeout_s: float = 600.0,
-                 overlap_commands: bool = True):
+                 overlap_commands: bool = True, admission_steps: int = ADMISSION_STEPS):
         self.checkpoint = checkpoint
         self.config = self.checkpoint.config
         self.budget = self.checkpoint.budget   # what the shards' runners bound steps by
@@ -89,6 +89,7 @@ class Coordinator:
         self.max_steps_per_command, self.seed = max_steps_per_command, seed
         self.request_timeout_s = request_timeout_s
         self.commands_in_flight = 2 if overlap_commands else 1
+        self.admission_steps = admission_steps
         self.shard_busy_s = 0.0   # the runners' execute time (rank 0), summed over commands
         self.scheduler = self._new_scheduler()
         self.streams: dict[str, asyncio.Queue] = {}
@@ -111,7 +112,8 @@ class Coordinator:
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.num_slots, self.max_queue, self.config.eos_token_ids, self.max_model_len,
-                         self.config.canvas_length, self.max_steps_per_command, self.seed, self.budget)
+                         self.config.canvas_length, self.max_steps_per_command, self.seed, self.budget,
+                         self.admission_steps)
 
     async def start(self) -> None:
         """Starts the shards (once; a request arriving during a start or a rebuild waits for it) and
