@@ -509,9 +509,7 @@ def build_app(args: dict):
     runner_args = RunnerArgs(checkpoint=checkpoint, num_slots=a.max_num_seqs, max_model_len=a.max_model_len,
                              dtype=a.torch_dtype(device), device=device, load_format=a.load_format,
                              max_steps_per_command=a.max_steps_per_command, batch_invariant=a.batch_invariant)
-    engine_args = dict(num_slots=a.max_num_seqs, max_model_len=a.max_model_len, max_queue=a.max_queue,
-                       max_steps_per_command=a.max_steps_per_command, request_timeout_s=a.request_timeout_s,
-                       overlap_commands=a.overlap_commands, admission_steps=a.admission_steps)
+    engine_args = a.engine_args()
     scaling = {"num_replicas": a.num_replicas or 1} if a.autoscaling_config is None else \
         {"autoscaling_config": a.autoscaling_config}
     coordinator = CoordinatorDeployment.options(

@@ -37,7 +37,7 @@ class AppArgs(BaseModel):
     overlap_commands: bool = Field(True, description="keep the next command queued at the shards while one runs "
                                    "(no idle round trip between commands; a request arriving then starts one "
                                    "command later)")
-    admission_steps: int = Field(ADMISSION_STEPS, ge=1, le=256, description="the steps of a command while a burst "
+    admission_steps: int = Field(ADMISSION_STEPS, ge=1, le=256, description="the most steps of a command while a burst "
                                  "of requests may be arriving (workers/scheduler.py); max_steps_per_command "
                                  "or more: no short commands")
     batch_invariant: bool = Field(False, description="a request's tokens and logprobs the same bits alone or in any "
@@ -136,6 +136,12 @@ class AppArgs(BaseModel):
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if device == "cuda" else None  # None: the checkpoint's own
+
+    def engine_args(self) -> dict:
+        """The coordinator's keyword arguments (workers/coordinator.py: Coordinator) from these."""
+        return dict(num_slots=self.max_num_seqs, max_model_len=self.max_model_len, max_queue=self.max_queue,
+                    max_steps_per_command=self.max_steps_per_command, request_timeout_s=self.request_timeout_s,
+                    overlap_commands=self.overlap_commands, admission_steps=self.admission_steps)
 
     def decode_defaults(self) -> dict:
         return {"mode": self.mode, "policy": self.policy, "threshold": self.threshold,

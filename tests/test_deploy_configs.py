@@ -129,6 +129,21 @@ def test_admission_steps_from_the_command_line_and_bounded():
         AppArgs(admission_steps=0)
 
 
+def test_the_coordinator_takes_the_engine_arguments_build_app_passes():
+    """build_app hands AppArgs.engine_args() to each replica's Coordinator: every key one of its
+    parameters, each command-line value carried through."""
+    import inspect
+
+    from workers.coordinator import Coordinator
+
+    args = AppArgs(max_num_seqs=3, max_queue=5, max_steps_per_command=16, overlap_commands=False, admission_steps=4,
+                   request_timeout_s=30, max_model_len=1024).engine_args()
+    bound = inspect.signature(Coordinator).bind(None, None, **args).arguments
+    assert {k: bound[k] for k in args} == dict(num_slots=3, max_queue=5, max_steps_per_command=16,
+                                               overlap_commands=False, admission_steps=4, request_timeout_s=30,
+                                               max_model_len=1024)
+
+
 def test_quantization_argument_is_checked_against_the_checkpoint_at_deploy(tiny_nemotron, tmp_path):
     """vLLM's --quantization: unset or the checkpoint's own method builds; asking an unquantized checkpoint
     for compressed-tensors fails the deploy naming the argument."""

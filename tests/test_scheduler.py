@@ -445,3 +445,51 @@ def test_commands_stay_short_while_a_burst_may_be_arriving():
 def test_admission_steps_are_validated():
     with pytest.raises(ValueError, match="admission_steps=0"):
         make(admission_steps=0)
+
+
+def test_where_commands_stay_long_though_a_burst_may_be_arriving():
+    """Short commands only while no request waits and the rows that go on running fill at most half the
+    slots; a request whose bound ends in a long command shortens only the command behind it; an
+    admission is short when the rows beside it all end with the commands in flight."""
+    from model.phases import StepBudget
+
+    long = params(max_tokens=256, max_denoising_steps=9)     # 8 canvases x 10 steps
+    s = make(num_slots=8, max_queue=4, max_model_len=512, max_steps_per_command=8, budget=StepBudget(C))
+    for i in range(4):
+        s.add(f"r{i}", [1], long)
+    assert s.schedule().max_steps == 2                       # 4 of 8 slots: a late row would miss passes
+    s.apply(Events())
+    s.add("r4", [1], long)
+    assert s.schedule().max_steps == 8                       # 5 of 8 run on: its steps share their passes
+
+    s = make(num_slots=4, max_queue=4, max_model_len=512, max_steps_per_command=8, budget=StepBudget(C))
+    for name in ("a", "b"):
+        s.add(name, [1], params(max_tokens=32, max_denoising_steps=9))
+    s.add("c", [1], long)
+    assert s.schedule().max_steps == 8                       # 3 of 4 slots run on
+    s.apply(Events([], 8, StepCounters(), steps_left={0: 2, 1: 2, 2: 72}))
+    assert s.schedule().max_steps == 2                       # a and b end in it: only c runs on
+    s.add("w1", [1], long)                                   # takes the free slot
+    s.add("w2", [1], long)                                   # waits for a's
+    command = s.schedule(ahead=True)
+    assert len(command.admit) == 1 and command.max_steps == 8   # a request waits: the slots are spoken for
+
+    s = make(num_slots=2, max_queue=4, max_model_len=512, max_steps_per_command=8, budget=StepBudget(C))
+    s.add("a", [1], params(max_tokens=32, max_denoising_steps=9))   # 1 canvas: 9 + 1 steps
+    s.add("b", [1], long)
+    assert s.schedule().max_steps == 8
+    s.apply(Events([], 8, StepCounters(), steps_left={0: 5, 1: 72}))
+    assert s.schedule().max_steps == 8                       # a's bound ends inside it, past a short command
+    assert s.schedule(ahead=True).max_steps == 2             # the one behind it is where a's successor goes
+
+    s = make(num_slots=2, max_queue=4, max_model_len=512, max_steps_per_command=8, budget=StepBudget(C))
+    s.add("a", [1], params(max_tokens=32, max_denoising_steps=9))
+    s.add("b", [1], params(max_tokens=64, max_denoising_steps=7))    # 2 canvases: 2 x (7 + 1) steps
+    s.schedule()
+    s.apply(Events([], 8, StepCounters(), steps_left={0: 2, 1: 9}))
+    assert s.schedule().max_steps == 2                       # a ends in it
+    s.apply(Events([Block(0, body(32), 10, 1)], 2, StepCounters(), steps_left={0: 0, 1: 7}))
+    assert s.schedule().max_steps == 7                       # b alone, to its end
+    s.add("c", [1], long)                                    # a's successor, while b's last command runs
+    command = s.schedule(ahead=True)
+    assert len(command.admit) == 1 and command.max_steps == 2   # b's slot frees before it: room for b's successor

@@ -87,15 +87,14 @@ def test_bound_holds_for_the_real_runner(case, tiny_nemotron, tiny_gemma):
 def test_commands_end_when_every_slot_is_done(tiny_gemma):
     """Forced steps: a request of 2 canvases of 4 steps takes 4 + 1 + 4 steps (the last canvas emits
     without a commit); with commands of up to 64 steps none is spent after it is done, and a
-    neighbour's longer request sets the length. (Alone, the request leaves a slot free: its first
-    command is a short one, workers/scheduler.py's bursts.)"""
+    neighbour's longer request sets the length."""
     with Engine(tiny_gemma, num_slots=2, max_model_len=256, max_steps_per_command=64) as engine:
         run = engine.shards.execute
         sizes = []
         engine.shards.execute = lambda cmd: sizes.append(cmd.max_steps) or run(cmd)
         forced = dict(ignore_eos=True, max_denoising_steps=4, confidence_threshold=0, seed=1)
         engine.generate([prompt(1, 7)], DecodeParams(max_tokens=32, **forced))
-        assert sizes == [2, 7]
+        assert sizes == [9]
         sizes.clear()
         engine.generate([prompt(1, 7), prompt(2, 9)], [DecodeParams(max_tokens=16, **forced),
                                                          DecodeParams(max_tokens=48, **forced)])

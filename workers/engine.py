@@ -26,8 +26,10 @@ class Engine:
                           batch_invariant=batch_invariant)
         self.shards = InProcessShards(args) if tp == 1 else ProcessShards(args, tp)
         cfg = self.config = self.checkpoint.config
+        # no short commands for bursts (workers/scheduler.py): a caller adds its requests before it steps
         self.scheduler = Scheduler(num_slots, max_queue, cfg.eos_token_ids, max_model_len, cfg.canvas_length,
-                                   max_steps_per_command, seed, self.checkpoint.budget)
+                                   max_steps_per_command, seed, self.checkpoint.budget,
+                                   admission_steps=max_steps_per_command)
         self._ids = itertools.count()
 
     def add(self, prompt: Sequence[int], params: DecodeParams, request_id: str | None = None) -> Request:

@@ -16,12 +16,14 @@ slot is free (admitting them right after is sooner); its size leaves out the slo
 Requests come in bursts: a client sends several at once, and clients that each send their next request
 when the last ends send theirs together when their requests ended together. A burst's first request
 would start a command of max_steps_per_command steps (and the one queued behind it) alone, and the rest
-would start that much later, so their rows would share fewer steps to the end, and again in every later
-round. So while a burst may be arriving, and while no request waits, the commands are short
-(`admission_steps`): a command that admits requests and leaves a slot free (or one that frees within a
-short command), a command queued behind it, and a command in which a request may finish or that is
-queued behind one in which it does (its slot is where the next request goes). A request of a burst
-that arrives while they are in flight starts at most two short commands after the burst's first.
+would start that much later, so their rows would share fewer passes to the end, and again in every later
+round. So while a burst may be arriving the commands are short (`admission_steps`): a command that
+admits requests, the one queued behind it, and a command in which a request's step bound ends (within
+the commands in flight or a short command: its slot is where the next request goes). A request of a
+burst that arrives while they are in flight starts at most two short commands after the burst's first.
+This holds while no request waits (a free slot would take it at once) and while the rows that go on
+running fill at most half the slots: beyond that a late row's steps share the passes of the rows that
+run anyway, and short commands would only add host synchronisations (one a command).
 """
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ class Scheduler:
         self._scheduled = 0                    # commands handed out
         self._applied = 0                      # events applied
         self._in_flight: deque[int] = deque()  # steps of the commands handed out and not yet applied
-        self._open: deque[bool] = deque()      # of each: whether it admitted requests and left a slot free
+        self._open: deque[bool] = deque()      # of each: whether it was a short command that admitted requests
 
     @property
     def num_running(self) -> int:
@@ -162,9 +164,11 @@ class Scheduler:
         steps = self._command_steps(running) if running else 0
         # slots that free with the commands in flight or within a short command: where the next requests go
         freeing = sum(r.steps_left is not None and r.steps_left <= self.admission_steps for r in running)
-        opens = bool(admit) and not self._waiting and len(running) - freeing < self.num_slots
-        if opens or (not self._waiting and (freeing or any(self._open))):
-            steps = min(steps, self.admission_steps)   # a burst may be arriving
+        few = len(running) - freeing <= self.num_slots // 2
+        short = few and not self._waiting and bool(admit or freeing or any(self._open))
+        if short:   # a burst may be arriving
+            steps = min(steps, self.admission_steps)
+        opens = short and bool(admit)
         for request in running:
             if request.steps_left is not None:
                 request.steps_left = max(request.steps_left - steps, 0)
