@@ -195,6 +195,7 @@ def test_fp8_engine_in_cuda_graphs(family, tiny_fp8_nemotron, tiny_fp8_gemma):
     greedy picks are near-ties that FP8's roundings flip, and one flip changes every later canvas
     (test_fp8_nemotron_logits_with_kernels_track_the_reference compares one forward's logits instead)."""
     from model.sampling.params import DecodeParams
+    from tests import served
     from workers.engine import Engine
 
     model_dir, vocab = (tiny_fp8_nemotron, 900) if family == "nemotron" else (tiny_fp8_gemma, 500)
@@ -212,7 +213,7 @@ def test_fp8_engine_in_cuda_graphs(family, tiny_fp8_nemotron, tiny_fp8_gemma):
                 assert captured == sum(report["graphs"].values()), report["graphs"]
             else:
                 runner.graphs = None
-            outs = e.generate(prompts, params)
+            outs = served.generate(e, prompts, params)   # the scores as the outputs carry them
             if graphs:
                 assert (runner.graphs.captured, runner.graphs.eager_steps) == (captured, 0)
             return [(o.output, o.logprobs) for o in outs]
