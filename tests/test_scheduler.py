@@ -124,6 +124,8 @@ def test_bad_requests_and_bad_construction():
         make(num_slots=0)
     with pytest.raises(ValueError, match="max_steps_per_command=0"):
         make(max_steps_per_command=0)
+    with pytest.raises(ValueError, match="admission_steps=0"):
+        make(admission_steps=0)
 
 
 def test_eos_kept_rest_and_their_scores_dropped():
@@ -440,11 +442,6 @@ def test_commands_stay_short_while_a_burst_may_be_arriving():
         s.apply(Events([Block(0, body(32), 10, 1)], 2, StepCounters(), steps_left={0: 0, 1: 70}))
         command = s.schedule(ahead=not successor_waits)                  # behind the short one, if any
         assert [n.slot for n in command.admit] == [0] and command.max_steps == 8   # all slots taken again
-
-
-def test_admission_steps_are_validated():
-    with pytest.raises(ValueError, match="admission_steps=0"):
-        make(admission_steps=0)
 
 
 def test_where_commands_stay_long_though_a_burst_may_be_arriving():

@@ -82,8 +82,9 @@ class Scheduler:
         self._release: list[int] = []          # slots to free in the next command
         self._scheduled = 0                    # commands handed out
         self._applied = 0                      # events applied
-        self._in_flight: deque[int] = deque()  # steps of the commands handed out and not yet applied
-        self._open: deque[bool] = deque()      # of each: whether it was a short command that admitted requests
+        # of each command handed out and not yet applied: its steps, and whether it was a short one that
+        # admitted requests (a burst's first)
+        self._in_flight: deque[tuple[int, bool]] = deque()
 
     @property
     def num_running(self) -> int:
@@ -165,15 +166,13 @@ class Scheduler:
         # slots that free with the commands in flight or within a short command: where the next requests go
         freeing = sum(r.steps_left is not None and r.steps_left <= self.admission_steps for r in running)
         few = len(running) - freeing <= self.num_slots // 2
-        short = few and not self._waiting and bool(admit or freeing or any(self._open))
+        short = few and not self._waiting and bool(admit or freeing or any(o for _, o in self._in_flight))
         if short:   # a burst may be arriving
             steps = min(steps, self.admission_steps)
-        opens = short and bool(admit)
         for request in running:
             if request.steps_left is not None:
                 request.steps_left = max(request.steps_left - steps, 0)
-        self._in_flight.append(steps)
-        self._open.append(opens)
+        self._in_flight.append((steps, short and bool(admit)))
         return Command(release, tuple(admit), steps)
 
     def _worth_queueing(self) -> bool:
@@ -201,8 +200,8 @@ class Scheduler:
         command = self._applied
         self._applied += 1
         self._in_flight.popleft()
-        self._open.popleft()
-        later = sum(self._in_flight)   # steps handed out after this command: its bounds predate them
+        # steps handed out after this command: its bounds predate them
+        later = sum(steps for steps, _ in self._in_flight)
         self.counters.add(events.counters)
         for slot, bound in events.steps_left.items():
             request = self._slots[slot]
