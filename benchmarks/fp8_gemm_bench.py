@@ -1,6 +1,7 @@
-"""Dense FP8 GEMMs at few rows, on the GPU host: cuBLAS's FP8 GEMM (torch._scaled_mm, what the served
-FP8 dense layers run), model.kernels.invariant's split-K matmul with FP8 operands (the batch-invariant
-mode's), and cuBLAS's BF16 GEMM, at the 8B's four projection shapes and 32 / 128 / 512 rows (the 8B at
+"""Dense FP8 GEMMs at few rows, on the GPU host: cuBLAS's FP8 GEMM (torch._scaled_mm), what the served
+FP8 dense layers run (model.kernels.fp8.scaled_linear: cuBLAS's, or the split-K kernel where it wins),
+model.kernels.invariant's split-K matmul with FP8 operands (the batch-invariant mode's), and cuBLAS's
+BF16 GEMM, at the 8B's four projection shapes and 32 / 128 / 512 rows (the 8B at
 batch 1, 4 and 16 canvases of 32), against the FP8 weight-read floor at --bandwidth.
 
     PYTHONPATH=. python3 benchmarks/fp8_gemm_bench.py [--json FILE]
@@ -53,11 +54,14 @@ def measure(bandwidth: float) -> dict:
             x = torch.randn(m, k, device="cuda").bfloat16()
             xq, sx = quantize_per_token(x)
             sx = sx[:, 0]
-            row = {"cublas_fp8_us": time_us(lambda: scaled_linear(xq, sx, wq, sw, torch.bfloat16)),
+            cublas = lambda: torch._scaled_mm(xq, wq.t(), scale_a=sx.view(-1, 1), scale_b=sw.view(1, -1),  # noqa: E731
+                                              out_dtype=torch.bfloat16)
+            row = {"cublas_fp8_us": time_us(cublas),
+                   "served_fp8_us": time_us(lambda: scaled_linear(xq, sx, wq, sw, torch.bfloat16)),
                    "invariant_fp8_us": time_us(lambda: scaled_linear(xq, sx, wq, sw, torch.bfloat16, invariant=True)),
                    "cublas_bf16_us": time_us(lambda: x @ wb.t()),
                    "fp8_floor_us": n * k / bandwidth * 1e6}
-            a = scaled_linear(xq, sx, wq, sw, torch.bfloat16).float()
+            a = cublas().float()
             b = scaled_linear(xq, sx, wq, sw, torch.bfloat16, invariant=True).float()
             row["max_rel_diff"] = ((a - b).abs().max() / a.abs().max()).item()
             result[f"{name}_m{m}"] = row

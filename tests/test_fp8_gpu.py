@@ -82,16 +82,18 @@ def test_norms_and_activations_quantize_their_outputs_in_their_kernels():
 
 @pytest.mark.parametrize("k", [2816, 14336])
 @pytest.mark.parametrize("m", [1, 32, 37, 256])
-@pytest.mark.parametrize("invariant", [False, True], ids=["cublas", "invariant"])
+@pytest.mark.parametrize("invariant", [False, True], ids=["served", "invariant"])
 def test_scaled_linear_equals_the_reference(invariant, m, k):
-    """torch._scaled_mm with row and channel scales (or, for the batch-invariant mode, our fixed-order
-    split-K kernel, 4 and 8 splits here) = the reference's fp32 product of the same FP8 values, rounded
-    once to bf16 (up to fp32 summation order)."""
+    """torch._scaled_mm with row and channel scales (or our fixed-order split-K kernel, 4 and 8 splits
+    here: for the batch-invariant mode, and served for few rows through a deep weight, here 1 and 32 rows
+    through 2112 x 14336) = the reference's fp32 product of the same FP8 values, rounded once to bf16 (up
+    to fp32 summation order)."""
     from model.fp8 import dequantize
-    from model.kernels.fp8 import scaled_linear
+    from model.kernels.fp8 import scaled_linear, split_k_wins
 
     x, a = _quantized(m, k, m)
     w, sw = _weights(2112, k, seed=1)
+    assert split_k_wins(m, *w.shape) == (m <= 32 and k == 14336)
     got = scaled_linear(a.q, a.scale, w, sw, torch.bfloat16, invariant).float()
     ref = dequantize(a.q, a.scale[:, None], torch.float32) @ dequantize(w, sw, torch.float32).t()
     torch.testing.assert_close(got, ref.to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())

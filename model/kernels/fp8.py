@@ -4,7 +4,9 @@ are float8_e4m3fn with one fp32 scale per output channel, and the scales meet in
 
     y[m, n] = (sum_k xq[m, k] Wq[n, k]) * sx[m] * sw[n],   rounded once to the output dtype
 
-  scaled_linear   a dense layer: cuBLAS's FP8 GEMM with row-wise scales (torch._scaled_mm)
+  scaled_linear   a dense layer: cuBLAS's FP8 GEMM with row-wise scales (torch._scaled_mm); for a few
+                  rows through a weight deeper than twice its width (the down projections), our split-K
+                  kernel (model.kernels.invariant.matmul), which spreads the long K over more SMs
   scaled_grouped  the experts over rows sorted by expert: few rows per expert, our triton grouped kernel
                   (model.kernels.invariant's, with FP8 operands: it reads each pair's token row in place
                   and streams the weights, where the batch is small and the step is a weight read); many,
@@ -21,10 +23,21 @@ import torch
 from model.kernels.invariant import grouped_matmul, matmul
 
 
+# rows up to which a weight with K >= 2 N goes to the split-K kernel: the 8B's down projection (4096 x
+# 14336) at 32 rows took 33.8 us there against cuBLAS's 46.6 (H200, benchmarks/fp8_gemm_bench.py); at 128
+# rows the two were even, and for the other projections cuBLAS was as fast or faster
+SPLIT_K_ROWS = 32
+
+
+def split_k_wins(rows: int, n: int, k: int) -> bool:
+    """Whether scaled_linear takes the split-K kernel for `rows` rows through an [n, k] weight."""
+    return rows <= SPLIT_K_ROWS and k >= 2 * n
+
+
 def scaled_linear(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                   out_dtype: torch.dtype, invariant: bool = False) -> torch.Tensor:
     """xq [M, K] FP8, sx [M] fp32, weight [N, K] FP8, weight_scale [N, 1] fp32 -> [M, N] out_dtype."""
-    if invariant:
+    if invariant or (xq.is_cuda and split_k_wins(xq.shape[0], *weight.shape)):
         return matmul(xq, weight, x_scale=sx, w_scale=weight_scale.view(-1), out_dtype=out_dtype)
     return torch._scaled_mm(xq, weight.t(), scale_a=sx.view(-1, 1), scale_b=weight_scale.view(1, -1),
                             out_dtype=out_dtype)
