@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from ray.exceptions import TaskCancelledError
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -147,9 +148,17 @@ async def _read_body(receive: Receive, limit: int) -> list[Message]:
 
 
 def _replaying(messages: list[Message], receive: Receive) -> Receive:
-    """The body read here first, then the live channel (a streaming answer listens there for a disconnect)."""
+    """The body read here first, then the live channel (a streaming answer listens there for a disconnect).
+    Where the client leaves and Serve's proxy cancels the request before the disconnect message reaches
+    the replica, Serve's channel raises TaskCancelledError instead: that is the disconnect too (else it
+    escapes the stream as an unretrieved task exception, a traceback in the log for a client hanging up)."""
     pending = deque(messages)
 
     async def replay() -> Message:
-        return pending.popleft() if pending else await receive()
+        if pending:
+            return pending.popleft()
+        try:
+            return await receive()
+        except TaskCancelledError:
+            return {"type": "http.disconnect"}
     return replay

@@ -113,3 +113,47 @@ def test_a_malformed_request_id_is_a_400_naming_it_after_the_key(bad):
     r = call(app, "POST", "/v1/echo", json={"prompt": "a"}, headers=KEY | {"x-request-id": bad.encode("latin-1")})
     assert r.status_code == 400 and seen == []
     assert_openai_error(r.json(), 400, "X-Request-Id")
+
+
+def test_a_request_serve_cancels_ends_its_stream_as_a_disconnect():
+    """Where the client leaves and Serve's proxy cancels the request before the disconnect message
+    arrives, Serve's receive channel raises TaskCancelledError: the stream must end as on a disconnect
+    (its generator closed), not let the error escape the app (an unretrieved task exception and a
+    traceback in the replica's log for every such hang-up, seen in the GPU soak)."""
+    from ray.exceptions import TaskCancelledError
+    from starlette.responses import StreamingResponse
+
+    app, closed = FastAPI(), asyncio.Event()
+    app.add_middleware(RequestGate, settings=lambda: GateSettings(None, LIMIT, 5.0))
+
+    @app.post("/v1/stream")
+    async def stream() -> StreamingResponse:
+        async def chunks():
+            try:
+                while True:
+                    yield "data: x\n\n"
+                    await asyncio.sleep(0.01)
+            finally:
+                closed.set()
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    async def go():
+        body = [{"type": "http.request", "body": b"{}", "more_body": False}]
+        sent = []
+
+        async def receive():
+            if body:
+                return body.pop()
+            await asyncio.sleep(0.05)   # a few chunks go out, then Serve cancels the request
+            raise TaskCancelledError()
+
+        async def send(message):
+            sent.append(message)
+        scope = {"type": "http", "method": "POST", "path": "/v1/stream", "headers": [], "query_string": b"",
+                 "http_version": "1.1", "scheme": "http", "server": ("t", 80), "client": ("c", 1), "root_path": ""}
+        await asyncio.wait_for(app(scope, receive, send), 5)
+        await asyncio.wait_for(closed.wait(), 5)
+        return sent
+    sent = asyncio.run(go())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    assert any(m.get("body") == b"data: x\n\n" for m in sent[1:])
