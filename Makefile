@@ -64,7 +64,8 @@ traffic:
 	python3 -m benchmarks.traffic --family $(FAMILY) $(if $(TREE),--server-tree $(TREE)) $(ARGS)
 
 # On the GPU host: mixed traffic with streams, drafts, disconnects and one 256-way burst against each
-# family's served full-size shape in turn (FAMILY= one only), DLLM_SOAK_S seconds each (default 240:
-# one family fits one 10-minute GPU call with its start); 0 errors but the burst's 429s, memory flat.
+# family's served full-size shape in turn (FAMILY= one only), DLLM_SOAK_S seconds each (default 240);
+# DLLM_SOAK_WITHIN_S bounds a family's whole run, start included (a cold start took 200-310 s: 560 fits
+# one 10-minute GPU call); 0 errors but the burst's 429s, memory flat.
 soak-gpu:
 	python3 scripts/soak_gpu.py $(if $(FAMILY),--family $(FAMILY)) $(if $(TREE),--server-tree $(TREE)) $(ARGS)

@@ -4,7 +4,8 @@
 
 For each family in turn (or the one --family names) it starts the server as benchmarks/traffic.py does
 (the full-size shapes, load_format=dummy, max_num_seqs=8; --server-tree picks the checkout), waits for
-its first completion, then for DLLM_SOAK_S seconds (default 240; --seconds wins) runs --clients
+its first completion, then for DLLM_SOAK_S seconds (default 240; --seconds wins; shortened where --within
+bounds the family's whole run, start included, as a GPU call's time limit does) runs --clients
 clients, each sending requests drawn from the family's built-in mix (benchmarks/request_mix.py; with
 ignore_eos) one after another as: whole answers, streams, streams with drafts (`diffusion.stream_drafts`,
 mode diffusion), and streams whose client hangs up after 1-3 chunks or drafts. Half way through, one
@@ -48,7 +49,22 @@ COMPLETIONS = "/v1/completions"
 KINDS = ("whole", "stream", "drafts", "hangup")
 KIND_WEIGHTS = (0.35, 0.30, 0.15, 0.20)
 BURST = 256
+MIN_SOAK_S = 20.0   # a soak shortened by --within still runs this long: its burst and a few of each kind
 RSS_GROWTH = 1.10
+
+
+def _env_float(name: str) -> float | None:
+    value = os.environ.get(name)
+    return float(value) if value else None
+
+
+def soak_seconds(opts: argparse.Namespace, start_s: float) -> float:
+    """How long to soak once the server answered `start_s` seconds after its start: --seconds, shortened
+    where --within bounds the whole run (a cold start on a GPU host takes 3-5 minutes, and a soak cut off
+    by the caller's time limit reports nothing)."""
+    if opts.within is None:
+        return opts.seconds
+    return max(MIN_SOAK_S, min(opts.seconds, opts.within - start_s - opts.within_reserve))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--family", choices=list(FAMILIES), help="default: both, one after the other")
     p.add_argument("--seconds", type=float, default=float(os.environ.get("DLLM_SOAK_S", "240")),
                    help="of traffic per family (default: $DLLM_SOAK_S, else 240)")
+    p.add_argument("--within", type=float, default=_env_float("DLLM_SOAK_WITHIN_S"),
+                   help="seconds for one family's whole run, its start included: the soak is shortened to "
+                        "what the start leaves of it less --within-reserve (at least MIN_SOAK_S; default: "
+                        "$DLLM_SOAK_WITHIN_S, else no bound but --seconds)")
+    p.add_argument("--within-reserve", type=float, default=90.0,
+                   help="of --within, kept for what follows the soak: the last requests, the idle check, the stop")
     p.add_argument("--clients", type=int, default=8, help="in flight at once besides the burst (at most "
                                                           "max_num_seqs + max_queue: never a 429 of their own)")
     p.add_argument("--server-tree", type=Path, default=REPO)
@@ -266,16 +288,18 @@ async def soak_family(opts: argparse.Namespace, family: str, server: ServerProce
     async with httpx.AsyncClient(timeout=opts.request_timeout, limits=limits) as http:
         cold = await server.wait_ready(http, opts.start_timeout, {"prompt": [1] * 16, "max_tokens": 16,
                                                                  "ignore_eos": True})
+        seconds = soak_seconds(opts, cold["first_completion_s"])
         print(f"{family}: first completion {cold['first_completion_s']:.0f} s after the start; soaking "
-              f"{opts.seconds:.0f} s", flush=True)
+              f"{seconds:.0f} s" + (f" (of {opts.seconds:.0f}: --within {opts.within:.0f})"
+                                     if seconds < opts.seconds else ""), flush=True)
         metrics_before = await scrape_metrics(http, server.base)
         t0 = time.monotonic()
-        s = Soak(server.base + COMPLETIONS, cold["model"], load_mix(family), opts, t0 + opts.seconds)
+        s = Soak(server.base + COMPLETIONS, cold["model"], load_mix(family), opts, t0 + seconds)
         sampler = asyncio.create_task(sample(s, http, server, t0))
-        bursting = asyncio.create_task(run_burst(s, t0 + opts.seconds / 2))
+        bursting = asyncio.create_task(run_burst(s, t0 + seconds / 2))
         clients = [asyncio.create_task(client(s, http, i)) for i in range(opts.clients)]
         try:
-            await asyncio.wait_for(asyncio.gather(*clients, bursting), opts.seconds + opts.request_timeout + 60)
+            await asyncio.wait_for(asyncio.gather(*clients, bursting), seconds + opts.request_timeout + 60)
         except asyncio.TimeoutError:
             s.error("soak: clients did not finish", f"within {opts.request_timeout + 60:.0f} s of the end")
         s.done = True
@@ -283,7 +307,7 @@ async def soak_family(opts: argparse.Namespace, family: str, server: ServerProce
         idle = await idle_slots(http, server.base, 120)
         metrics_after = await scrape_metrics(http, server.base)
         elapsed = time.monotonic() - t0
-    warmup_s = min(30.0, opts.seconds / 5)
+    warmup_s = min(30.0, seconds / 5)
     gpu, rss = memory_trend(s.samples, "gpu_mib", warmup_s), memory_trend(s.samples, "rss_mib", warmup_s)
     leaks = []
     if gpu is not None and gpu["growth_mib"] > opts.gpu_slack_mib:
@@ -296,7 +320,7 @@ async def soak_family(opts: argparse.Namespace, family: str, server: ServerProce
         s.error("drafts: none streamed", f"{s.requests['drafts']} requests asked for drafts")
     if s.burst is None and not any(k.startswith("burst") for k in s.errors):
         s.error("burst: did not run", "the soak ended before it")
-    return {"family": family, "seconds": elapsed, "cold_start": cold, "clients": opts.clients,
+    return {"family": family, "seconds": elapsed, "soak_s": seconds, "cold_start": cold, "clients": opts.clients,
             "requests": dict(s.requests), "completion_tokens": s.tokens, "drafts": s.drafts,
             "errors": dict(s.errors), "error_examples": s.examples, "expected_429": s.expected_429,
             "burst": s.burst, "gpu_memory": gpu, "resident_memory": rss, "leaks": leaks,

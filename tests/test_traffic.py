@@ -197,16 +197,36 @@ def test_rows_from_synthetic_phases():
     assert "T nemotron-ld: the server did not start" in table and "P1 Nemotron-LD 8B" in table
 
 
+def test_the_soak_fits_within_its_bound(monkeypatch):
+    """--within shortens the soak to what the start leaves of it, less the reserve, never below
+    MIN_SOAK_S; without it (or with room to spare) the soak is --seconds."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import soak_gpu
+    monkeypatch.delenv("DLLM_SOAK_WITHIN_S", raising=False)
+    monkeypatch.delenv("DLLM_SOAK_S", raising=False)
+    assert soak_gpu.soak_seconds(soak_gpu.parse_args([]), 300) == 240
+    assert soak_gpu.soak_seconds(soak_gpu.parse_args(["--within", "560"]), 306) == 560 - 306 - 90
+    assert soak_gpu.soak_seconds(soak_gpu.parse_args(["--within", "560"]), 200) == 240
+    assert soak_gpu.soak_seconds(soak_gpu.parse_args(["--within", "560"]), 500) == soak_gpu.MIN_SOAK_S
+    monkeypatch.setenv("DLLM_SOAK_WITHIN_S", "400")
+    assert soak_gpu.soak_seconds(soak_gpu.parse_args(["--within-reserve", "60"]), 100) == 240
+    assert soak_gpu.soak_seconds(soak_gpu.parse_args(["--within-reserve", "60"]), 200) == 140
+
+
 @pytest.mark.reliability
 @pytest.mark.timeout(400)
 def test_the_gpu_soak_script_against_the_tiny_model(tiny_nemotron, tmp_path):
-    """scripts/soak_gpu.py end to end on CPU for 30 s: every kind of request, the burst (200s and 429s
-    only), 0 errors, every slot free after, exit 0."""
+    """scripts/soak_gpu.py end to end on CPU, 30-60 s: every kind of request, the burst (200s and 429s
+    only), 0 errors, every slot free after, exit 0; a soak of 600 s asked for within 100 s of the start
+    is shortened to what the start leaves (less the 40 s reserve asked for)."""
     run = subprocess.run([sys.executable, "scripts/soak_gpu.py", "--family", "nemotron-ld", "--model",
-                          str(tiny_nemotron), "--server-arg", "device=cpu", "--seconds", "30", "--sample-every", "2",
-                          "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=380)
+                          str(tiny_nemotron), "--server-arg", "device=cpu", "--seconds", "600", "--within", "100",
+                          "--within-reserve", "40", "--sample-every", "2", "--out-dir", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=380)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((tmp_path / "soak-nemotron-ld.json").read_text())
+    start_s = result["cold_start"]["first_completion_s"]
+    assert result["soak_s"] == max(20.0, 100 - start_s - 40) and "(of 600: --within 100)" in run.stdout
     assert result["passed"] and result["errors"] == {} and result["slots_free_at_end"]
     assert set(result["burst"]["statuses"]) <= {"200", "429"} and result["burst"]["statuses"]["429"] > 0
     assert {"whole", "stream", "hangup"} <= set(result["requests"])
