@@ -283,18 +283,20 @@ def memory_trend(samples: list[dict], key: str, after_s: float) -> dict | None:
     return {"first_third_mib": first, "last_third_mib": last, "growth_mib": last - first, "samples": len(values)}
 
 
-async def soak_family(opts: argparse.Namespace, family: str, server: ServerProcess) -> dict:
+async def soak_family(opts: argparse.Namespace, family: str, server: ServerProcess, progress: dict) -> dict:
+    """The soak; `progress` holds the cold start and the Soak as they come, for a report if interrupted."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=opts.request_timeout, limits=limits) as http:
         cold = await server.wait_ready(http, opts.start_timeout, {"prompt": [1] * 16, "max_tokens": 16,
                                                                  "ignore_eos": True})
+        progress["cold_start"] = cold
         seconds = soak_seconds(opts, cold["first_completion_s"])
         print(f"{family}: first completion {cold['first_completion_s']:.0f} s after the start; soaking "
               f"{seconds:.0f} s" + (f" (of {opts.seconds:.0f}: --within {opts.within:.0f})"
                                      if seconds < opts.seconds else ""), flush=True)
         metrics_before = await scrape_metrics(http, server.base)
         t0 = time.monotonic()
-        s = Soak(server.base + COMPLETIONS, cold["model"], load_mix(family), opts, t0 + seconds)
+        s = progress["soak"] = Soak(server.base + COMPLETIONS, cold["model"], load_mix(family), opts, t0 + seconds)
         sampler = asyncio.create_task(sample(s, http, server, t0))
         bursting = asyncio.create_task(run_burst(s, t0 + seconds / 2))
         clients = [asyncio.create_task(client(s, http, i)) for i in range(opts.clients)]
@@ -350,13 +352,32 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def interrupted(family: str, progress: dict) -> dict:
+    """What an interrupted soak had counted (no verdict: its checks at the end did not run)."""
+    s: Soak | None = progress.get("soak")
+    out = {"family": family, "interrupted": True, "cold_start": progress.get("cold_start")}
+    if s is not None:
+        out |= {"requests": dict(s.requests), "completion_tokens": s.tokens, "drafts": s.drafts,
+                "errors": dict(s.errors), "error_examples": s.examples, "expected_429": s.expected_429,
+                "burst": s.burst, "samples": s.samples}
+    return out
+
+
 def run_family(opts: argparse.Namespace, family: str) -> dict:
     model = opts.model or write_model(family, opts.work)
     log = opts.out_dir / f"soak-{family}-server.log"
     server = ServerProcess(opts.server_tree, str(model), opts.server_arg, log)
+    progress: dict = {}
     try:
         server.start()
-        result = asyncio.run(soak_family(opts, family, server))
+        result = asyncio.run(soak_family(opts, family, server, progress))
+    except KeyboardInterrupt:   # SIGTERM too (a caller's time limit): keep what was counted
+        opts.out_dir.mkdir(parents=True, exist_ok=True)
+        partial = interrupted(family, progress)
+        (opts.out_dir / f"soak-{family}.json").write_text(json.dumps(partial, indent=1, default=str))
+        print(f"soak {family}: interrupted after {partial.get('requests')} requests, errors "
+              f"{partial.get('errors') or 0}, burst {(partial.get('burst') or {}).get('statuses')}", flush=True)
+        raise
     finally:
         status = server.stop()
     result |= {"server_tree": str(server.tree), "server_commit": tree_commit(server.tree),

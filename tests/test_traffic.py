@@ -232,3 +232,30 @@ def test_the_gpu_soak_script_against_the_tiny_model(tiny_nemotron, tmp_path):
     assert {"whole", "stream", "hangup"} <= set(result["requests"])
     assert result["resident_memory"] is not None and result["server_exit_status"] == 0
     assert "PASSED" in run.stdout
+
+
+@pytest.mark.reliability
+@pytest.mark.timeout(300)
+def test_an_interrupted_gpu_soak_keeps_what_it_counted(tiny_nemotron, tmp_path):
+    """SIGTERM (a caller's time limit) mid-soak: the server is stopped, exit 130, and the JSON holds the
+    requests and errors counted so far, marked interrupted."""
+    import signal
+    proc = subprocess.Popen([sys.executable, "scripts/soak_gpu.py", "--family", "nemotron-ld", "--model",
+                             str(tiny_nemotron), "--server-arg", "device=cpu", "--seconds", "600",
+                             "--sample-every", "2", "--out-dir", str(tmp_path)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:   # the first completion came: the soak runs
+            lines.append(line)
+            if "soaking" in line:
+                break
+        time.sleep(15)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, "".join(lines) + out
+    result = json.loads((tmp_path / "soak-nemotron-ld.json").read_text())
+    assert result["interrupted"] and result["errors"] == {} and sum(result["requests"].values()) > 0
+    assert f"interrupted after {result['requests']}" in out
