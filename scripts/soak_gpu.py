@@ -18,7 +18,9 @@ the requests by kind, the errors by kind (anything but a 429 to a request that w
 burst ran is an error), the burst's statuses, the median memory of the first third of the samples
 (after a warm-up) against the last third, and the slots free at the end (GET /health once idle). Exits
 1 on any error, a leak (GPU memory up by more than --gpu-slack-mib; resident memory up by more than
-10% + --rss-slack-mib) or a slot not free at the end; 2 if a server did not start.
+10% + --rss-slack-mib) or a slot not free at the end; 2 if a server did not start; 130 when interrupted
+(SIGTERM or Ctrl-C), after saving what it had counted ("interrupted": true, no verdict) and stopping the
+server.
 """
 from __future__ import annotations
 
