@@ -361,7 +361,10 @@ def interrupted(family: str, progress: dict) -> dict:
     if s is not None:
         out |= {"requests": dict(s.requests), "completion_tokens": s.tokens, "drafts": s.drafts,
                 "errors": dict(s.errors), "error_examples": s.examples, "expected_429": s.expected_429,
-                "burst": s.burst, "samples": s.samples}
+                "burst": s.burst, "samples": s.samples,
+                # the trends so far, the warm-up as a full soak skips it
+                "gpu_memory": memory_trend(s.samples, "gpu_mib", 30.0),
+                "resident_memory": memory_trend(s.samples, "rss_mib", 30.0)}
     return out
 
 
