@@ -55,9 +55,9 @@ MIN_SOAK_S = 20.0   # a soak shortened by --within still runs this long: its bur
 RSS_GROWTH = 1.10
 
 
-def _env_float(name: str) -> float | None:
-    value = os.environ.get(name)
-    return float(value) if value else None
+def settle_s(seconds: float) -> float:
+    """The first seconds of a soak of `seconds`, left out of its memory trends (the allocator settles)."""
+    return min(30.0, seconds / 5)
 
 
 def soak_seconds(opts: argparse.Namespace, start_s: float) -> float:
@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--family", choices=list(FAMILIES), help="default: both, one after the other")
     p.add_argument("--seconds", type=float, default=float(os.environ.get("DLLM_SOAK_S", "240")),
                    help="of traffic per family (default: $DLLM_SOAK_S, else 240)")
-    p.add_argument("--within", type=float, default=_env_float("DLLM_SOAK_WITHIN_S"),
+    p.add_argument("--within", type=float, default=os.environ.get("DLLM_SOAK_WITHIN_S") or None,
                    help="seconds for one family's whole run, its start included: the soak is shortened to "
                         "what the start leaves of it less --within-reserve (at least MIN_SOAK_S; default: "
                         "$DLLM_SOAK_WITHIN_S, else no bound but --seconds)")
@@ -292,7 +292,7 @@ async def soak_family(opts: argparse.Namespace, family: str, server: ServerProce
         cold = await server.wait_ready(http, opts.start_timeout, {"prompt": [1] * 16, "max_tokens": 16,
                                                                  "ignore_eos": True})
         progress["cold_start"] = cold
-        seconds = soak_seconds(opts, cold["first_completion_s"])
+        seconds = progress["seconds"] = soak_seconds(opts, cold["first_completion_s"])
         print(f"{family}: first completion {cold['first_completion_s']:.0f} s after the start; soaking "
               f"{seconds:.0f} s" + (f" (of {opts.seconds:.0f}: --within {opts.within:.0f})"
                                      if seconds < opts.seconds else ""), flush=True)
@@ -311,7 +311,7 @@ async def soak_family(opts: argparse.Namespace, family: str, server: ServerProce
         idle = await idle_slots(http, server.base, 120)
         metrics_after = await scrape_metrics(http, server.base)
         elapsed = time.monotonic() - t0
-    warmup_s = min(30.0, seconds / 5)
+    warmup_s = settle_s(seconds)
     gpu, rss = memory_trend(s.samples, "gpu_mib", warmup_s), memory_trend(s.samples, "rss_mib", warmup_s)
     leaks = []
     if gpu is not None and gpu["growth_mib"] > opts.gpu_slack_mib:
@@ -362,9 +362,9 @@ def interrupted(family: str, progress: dict) -> dict:
         out |= {"requests": dict(s.requests), "completion_tokens": s.tokens, "drafts": s.drafts,
                 "errors": dict(s.errors), "error_examples": s.examples, "expected_429": s.expected_429,
                 "burst": s.burst, "samples": s.samples,
-                # the trends so far, the warm-up as a full soak skips it
-                "gpu_memory": memory_trend(s.samples, "gpu_mib", 30.0),
-                "resident_memory": memory_trend(s.samples, "rss_mib", 30.0)}
+                # the trends so far, leaving out what the whole soak would
+                "gpu_memory": memory_trend(s.samples, "gpu_mib", settle_s(progress["seconds"])),
+                "resident_memory": memory_trend(s.samples, "rss_mib", settle_s(progress["seconds"]))}
     return out
 
 

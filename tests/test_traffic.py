@@ -200,7 +200,7 @@ def test_rows_from_synthetic_phases():
 def test_the_soak_fits_within_its_bound(monkeypatch):
     """--within shortens the soak to what the start leaves of it, less the reserve, never below
     MIN_SOAK_S; without it (or with room to spare) the soak is --seconds."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import soak_gpu
     monkeypatch.delenv("DLLM_SOAK_WITHIN_S", raising=False)
     monkeypatch.delenv("DLLM_SOAK_S", raising=False)
