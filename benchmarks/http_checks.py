@@ -62,7 +62,10 @@ def check_answer(path: str, body: dict, status: int, text: str) -> int:
     assert stopped or tokens == length, f"{tokens} tokens, max_tokens {length}"
     if body.get("logprobs"):
         scored = choice["logprobs"]["content"] if path == CHAT else choice["logprobs"]["token_logprobs"]
-        assert len(scored) == tokens and all((t["logprob"] if path == CHAT else t) <= 0 for t in scored)
+        values = [t["logprob"] if path == CHAT else t for t in scored]
+        assert len(values) == tokens, f"{len(values)} logprobs for {tokens} tokens"
+        above = [(i, v) for i, v in enumerate(values) if not (isinstance(v, (int, float)) and v <= 0)]
+        assert not above, f"logprobs not <= 0 (position, value): {above[:5]}"
     return tokens
 
 
