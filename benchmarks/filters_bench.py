@@ -12,14 +12,21 @@ Nemotron blocks [R, 32, 131072] in fp32 and bf16 (decided on x / T). Each shape 
 
 The kernel this one replaced (16 comparisons an entry and pass, candidates along the tile's last axis)
 is model/kernels/filters.py at commit bfc66c6; the README's table has both, from one run of this script
-when it still carried a copy of it. --sweep times a few tile / split settings of the kernel. --tiny runs small shapes, also on the CPU under TRITON_INTERPRET=1 (a smoke test of this
-script). Prints a table; writes JSON to --json (default $OUT/filters_bench.json when $OUT is set).
+when it still carried a copy of it. --against FILE times another version of the kernel's module (a
+filters.py anywhere, e.g. an older commit's, loaded under its own name) beside it in the same run, on
+the same inputs, and checks it against torch too (columns against_ms and speedup = against_ms / ms).
+--sweep times a few tile / split settings of the kernel. --tiny runs small shapes, also on the CPU under
+TRITON_INTERPRET=1 (a smoke test of this script). Prints a table; writes JSON to --json (default
+$OUT/filters_bench.json when $OUT is set).
 
     PYTHONPATH=. python benchmarks/filters_bench.py [--sweep]
+    git show 583aadc:model/kernels/filters.py > /tmp/filters_old.py   # the kernel before its tile-max cache
+    PYTHONPATH=. python benchmarks/filters_bench.py --against /tmp/filters_old.py
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -126,15 +133,35 @@ def graph_replays_equal(x, temp, top_k, top_p, kw) -> bool:
     return torch.equal(out, eager)
 
 
-def run_case(name, ask, shape, dtype, kw, device, opts) -> dict:
+def load_against(path: Path):
+    """The filters module at path (another version of model/kernels/filters.py), imported under its own
+    name so that it and its triton kernels live beside the current ones."""
+    spec = importlib.util.spec_from_file_location("filters_against", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--against {path}: not a python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "triton_threshold"):
+        raise SystemExit(f"--against {path}: has no triton_threshold")
+    return module
+
+
+def run_case(name, ask, shape, dtype, kw, device, opts, against=None) -> dict:
     x = logits(shape, dtype, device)
     temp, top_k, top_p = asks(ask, shape[0], device)
     row = dict(shape=name, dims=list(shape), dtype=str(dtype).removeprefix("torch."), ask=ask)
     new = lambda: triton_threshold(x, temp, top_k, top_p, 0, TPGroup(), **kw)   # noqa: E731
     row["new_ms"] = time_ms(new, opts.iters, device)
+    if against is not None:
+        old = lambda: against.triton_threshold(x, temp, top_k, top_p, 0, TPGroup(), **kw)   # noqa: E731
+        row["against_ms"] = time_ms(old, opts.iters, device)
+        row["speedup"] = row["against_ms"] / row["new_ms"]
     if opts.check:
-        exact, worst = compare(torch_threshold(x, temp, top_k, top_p, 0, TPGroup(), **kw), new())
+        ref = torch_threshold(x, temp, top_k, top_p, 0, TPGroup(), **kw)
+        exact, worst = compare(ref, new())
         row.update(exact=exact, max_rel_diff=worst)
+        if against is not None:
+            row["against_exact"], row["against_max_rel_diff"] = compare(ref, old())
     return row
 
 
@@ -169,6 +196,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the check against torch")
     p.add_argument("--sweep", action="store_true", help="also time the new kernel's SWEEP settings")
     p.add_argument("--tiny", action="store_true", help="small shapes (CPU: under TRITON_INTERPRET=1 only)")
+    p.add_argument("--against", type=Path, metavar="FILE",
+                   help="another filters module (a copy of model/kernels/filters.py) to time beside this one")
     p.add_argument("--json", type=Path, help="where the JSON goes (default: $OUT/filters_bench.json if $OUT)")
     opts = p.parse_args(argv)
     table = TINY if opts.tiny else SHAPES
@@ -177,6 +206,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown shapes {unknown}: one of {list(table)}")
     if opts.iters < 1:
         p.error("--iters must be at least 1")
+    if opts.against is not None and not opts.against.is_file():
+        p.error(f"--against {opts.against}: no such file")
     if opts.json is None and os.environ.get("OUT"):
         opts.json = Path(os.environ["OUT"]) / "filters_bench.json"
     return opts
@@ -191,19 +222,24 @@ def main(argv=None) -> int:
         device = torch.device("cpu")
     else:
         sys.exit("filters_bench needs a CUDA device (or --tiny under TRITON_INTERPRET=1)")
+    against = None if opts.against is None else load_against(opts.against)
     rows = []
-    print(f"{'shape':<14}{'dtype':<10}{'ask':<9}{'ms':>9}  exact  max rel diff", flush=True)
+    beside = f"{'against_ms':>11}{'speedup':>8}  against exact" if against else ""
+    print(f"{'shape':<14}{'dtype':<10}{'ask':<9}{'ms':>9}  exact  max rel diff{beside}", flush=True)
     for name in opts.shapes or list(table):
         shape, dtype, kw = table[name]
         for ask in opts.asks:
-            row = run_case(name, ask, shape, dtype, kw, device, opts)
+            row = run_case(name, ask, shape, dtype, kw, device, opts, against)
             rows.append(row)
+            beside = (f"    {row['against_ms']:>11.3f}{row['speedup']:>8.2f}  {row.get('against_exact', '-')}"
+                      if against else "")
             print(f"{name:<14}{row['dtype']:<10}{ask:<9}{row['new_ms']:>9.3f}"
-                  f"  {str(row.get('exact', '-')):<5}  {row.get('max_rel_diff', float('nan')):.2e}", flush=True)
+                  f"  {str(row.get('exact', '-')):<5}  {row.get('max_rel_diff', float('nan')):.2e}{beside}", flush=True)
     report = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
                   torch=torch.__version__, triton=triton.__version__,
                   settings=dict(split=F.SPLIT, count_block=F.COUNT_BLOCK, mass_block=F.MASS_BLOCK,
-                                num_warps=F.NUM_WARPS, histogram=F.HISTOGRAM), cases=rows)
+                                num_warps=F.NUM_WARPS, histogram=F.HISTOGRAM), cases=rows,
+                  against=None if opts.against is None else str(opts.against))
     if device.type == "cuda":
         shape, dtype, kw = table[next(iter(table))]
         x = logits(shape, dtype, device)
@@ -216,7 +252,7 @@ def main(argv=None) -> int:
         opts.json.parent.mkdir(parents=True, exist_ok=True)
         opts.json.write_text(json.dumps(report, indent=1))
         print(f"wrote {opts.json}")
-    failed = [r for r in rows + report.get("sweep", []) if r.get("exact") is False]
+    failed = [r for r in rows + report.get("sweep", []) if False in (r.get("exact"), r.get("against_exact"))]
     if failed or report.get("graph_replay_equal") is False:
         graph = "; graph replay differs" if report.get("graph_replay_equal") is False else ""
         print(f"NOT EXACT: {len(failed)} case(s){graph}")

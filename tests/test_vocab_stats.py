@@ -189,6 +189,48 @@ def test_triton_thresholds_equal_torch_in_the_interpreter():
     run_interpreted(THRESHOLD_CHECK, "thresholds: triton == torch", timeout=300)
 
 
+CACHED_CHECK = r"""
+import torch
+import model.kernels.filters as F
+from model.kernels.filters import triton_threshold
+from model.parallel.group import TPGroup
+from model.sampling.filters import torch_threshold
+torch.manual_seed(2)
+# count tiles of 4 cached tiles, 8 a split; V=2900: 3 splits, the last one partial (a ragged tile, a tile
+# past the vocabulary); V=700: one split narrower than SPLIT (a count tile half past its end)
+F.SPLIT, F.COUNT_BLOCK, F.MASS_BLOCK = 1024, 512, 128
+temp = torch.tensor([0.7, 1.0, 1.3, 1.0, 0.0, 2.0])
+top_k = torch.tensor([5, 0, 7, 0, 3, 0])           # k only, p only, both, neither, both, p only
+top_p = torch.tensor([1.0, 0.8, 0.7, 1.0, 0.95, 0.5])
+cases = [(2900, torch.bfloat16, 30.0, False, True), (2900, torch.float32, None, True, False),
+         (700, torch.float32, None, True, True)]
+for V, dtype, softcap, on_scaled, histogram in cases:
+    F.HISTOGRAM = histogram
+    x = torch.randn(6, 3, V)
+    for r in range(6):
+        for q in range(3):   # the top-k survivors and the top-p mass in one cluster (first tile, ragged last, ...)
+            at = torch.randint(0, V - 12, ()).item() if (r + q) % 3 else [0, V - 12, V // 2][q]
+            x[r, q, at:at + 12] = 12 + torch.randn(12)
+    x[1, 0, 128:256] = float("-inf")   # a whole tile of -inf
+    x = x.to(dtype)
+    a = torch_threshold(x, temp, top_k, top_p, 17, TPGroup(), softcap=softcap, on_scaled=on_scaled)
+    b = triton_threshold(x, temp, top_k, top_p, 17, TPGroup(), softcap=softcap, on_scaled=on_scaled)
+    assert torch.equal(torch.isinf(a), torch.isinf(b)) and torch.isinf(a[3]).all()
+    assert torch.isfinite(a[[0, 1, 2, 4, 5]]).all()
+    tol = 0 if softcap is None else 1e-5
+    assert torch.allclose(a, b, rtol=tol, atol=0), (V, dtype, a, b)
+print("cached tile maxima: triton == torch")
+"""
+
+
+def test_triton_thresholds_from_cached_tile_maxima_in_the_interpreter():
+    """Passes after a row's first decide a tile from its cached maximum (filled by count pass 0, or by
+    the log-normaliser pass where the row asks no top-k): rows asking top-k only, top-p only, both and
+    neither in one batch, the survivors clustered in one tile (later passes skip the rest), several
+    splits, a ragged last split and tile, a split narrower than SPLIT, both count paths."""
+    run_interpreted(CACHED_CHECK, "cached tile maxima: triton == torch", timeout=300)
+
+
 ASKED_CHECK = r"""
 import torch
 from model.kernels.vocab_stats import triton_rank_top_k

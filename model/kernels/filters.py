@@ -32,6 +32,11 @@ Why the passes are cheap (each should cost little more than reading the split on
     per-entry work of the entries it shares).
   - passes skip a tile from its maximum logit alone: an entry counts in no candidate below the pass's
     prefix, and no entry of a tile survives top-k when its largest value does not (v is non-decreasing).
+  - and they know that maximum before reading the tile: a row's first pass over the logits (count pass
+    0, or the log-normaliser where the row asks no top-k) keeps each MASS_BLOCK tile's largest logit
+    (a count tile is whole mass tiles, the maximum of theirs), and later passes read a split's maxima
+    in one load and a tile only where it reaches: once the prefix has narrowed, a skipped tile costs
+    neither its read nor the latency of a load (per rank: each keeps the maxima of its own slice).
 """
 from __future__ import annotations
 
@@ -114,15 +119,19 @@ def _chosen(totals_ptr, n, splits, target, NC: tl.constexpr, SPLITS_P2: tl.const
 # (triton would otherwise compile apart the values equal to 1 or divisible by 16)
 @triton.jit(do_not_specialize=["PASS", "SHIFT"])
 def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_ptr, out_ptr, xk_ptr, norm_ptr,
-                        P, V, splits, norm_splits, softcap, PASS, SHIFT,
+                        tile_max_ptr, P, V, splits, norm_splits, softcap, PASS, SHIFT,
                         MODE: tl.constexpr, BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         ON_SCALED: tl.constexpr, INTERPRETED: tl.constexpr, NC: tl.constexpr,
                         SPLITS_P2: tl.constexpr, NORM_SPLITS_P2: tl.constexpr, SPLIT_SIZE: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, HISTOGRAM: tl.constexpr, BINS: tl.constexpr):
+                        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
+                        TILES_P2: tl.constexpr, HISTOGRAM: tl.constexpr, BINS: tl.constexpr):
     """COUNT pass PASS: out[n, split, d] = entries with key >= prefix + d << shift; LOG_NORM: out[n, split,
     0:2] = (max, sum exp(v - max)) of the top-k survivors' values (and xk[n] = the top-k threshold's
     logit); MASS pass PASS: out[n, split, d] = their probability mass at keys >= prefix + d << shift.
-    prev: the previous pass's totals (PASS > 0); prefix[PASS - 1] the prefix they were counted at."""
+    prev: the previous pass's totals (PASS > 0); prefix[PASS - 1] the prefix they were counted at.
+    tile_max[n, split, t]: the largest logit of the split's t-th TILE-entry tile (-inf past the slice),
+    written by the row's first pass over it (COUNT pass 0, or LOG_NORM where the row asks no top-k) and
+    read by every later one; BLOCK_SIZE is a multiple of TILE."""
     n = tl.program_id(0)
     split = tl.program_id(1)
     row = n // P
@@ -164,16 +173,41 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
             norm = safe + tl.log(tl.sum(tl.where(zs > 0, zs * tl.exp(ms - safe), 0.0), 0))
         row_ptr = x_ptr + n.to(tl.int64) * V
         start = split * SPLIT_SIZE
+        # the first pass over a row reads every tile and keeps their maxima; later ones read a tile only
+        # where its cached maximum reaches, so a skipped tile costs no load (MASS: count or LOG_NORM filled)
+        if MODE == COUNT:
+            fill = PASS == 0
+        elif MODE == LOG_NORM:
+            fill = k <= 0   # no count pass ran for the row
+        else:
+            fill = False
+        SUB: tl.constexpr = BLOCK_SIZE // TILE
+        cache = tile_max_ptr + (n.to(tl.int64) * splits + split) * TILES
+        tiles = tl.arange(0, TILES_P2)
+        sub = tl.arange(0, SUB)
+        if fill:
+            cached = tl.full((TILES_P2,), -float("inf"), tl.float32)
+        else:   # the split's maxima at once: one load a program, not one a tile
+            cached = tl.load(cache + tiles, mask=tiles < TILES, other=-float("inf"))
         for off in range(0, SPLIT_SIZE, BLOCK_SIZE):
             cols = start + off + tl.arange(0, BLOCK_SIZE)
             inside = cols < V
-            x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
-            top_x = tl.max(x, 0)
+            first = off // TILE
+            if fill:
+                x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
+                tops = tl.max(tl.reshape(x, (SUB, TILE)), 1)
+                tl.store(cache + first + sub, tops, mask=first + sub < TILES)
+                top_x = tl.max(tops, 0)
+            else:
+                x = tl.full((BLOCK_SIZE,), -float("inf"), tl.float32)   # read below, where the tile reaches
+                top_x = tl.max(tl.where((tiles >= first) & (tiles < first + SUB), cached, -float("inf")), 0)
             # the tile holds an entry at or above the prefix (pass 0's prefix is 0: every tile)
             reaches = _logit_keys(top_x, BITS) >= low
             if MODE != COUNT:   # and one that survives top-k (thr = v(-inf) where no top-k: always)
                 reaches = reaches & (decided_value(top_x, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED) >= thr)
             if reaches:
+                if not fill:
+                    x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
                 if MODE == LOG_NORM:
                     v = decided_value(x, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
                     v = tl.where(inside & (v >= thr), v, -float("inf"))
@@ -260,20 +294,26 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     prefix_p = torch.empty_like(prefix_k)
     xk = torch.empty(RP, device=dev)
     width = min(SPLIT, V)
+    count_block, mass_block = (min(b, triton.next_power_of_2(width)) for b in (COUNT_BLOCK, MASS_BLOCK))
+    # a count tile is whole mass tiles (the maximum of their cached maxima is its own), and no tile
+    # straddles two splits (a split's maxima cover its tiles alone)
+    assert count_block % mass_block == 0 and (splits == 1 or width % count_block == 0), (SPLIT, COUNT_BLOCK, MASS_BLOCK)
+    tiles = triton.cdiv(width, mass_block)
+    tile_max = torch.empty(RP, splits, tiles, device=dev)   # each row's first pass fills what later ones read
 
     def launch(mode, i, prev, prefix, out, norm_in, norm_splits, block):
         _filter_pass_kernel[(RP, splits)](
-            x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, P, V, splits, norm_splits, cap, i,
+            x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, tile_max, P, V, splits, norm_splits, cap, i,
             bits - 4 * (i + 1), MODE=mode.value, NORM_SPLITS_P2=triton.next_power_of_2(norm_splits), SPLIT_SIZE=width,
-            BLOCK_SIZE=min(block, triton.next_power_of_2(width)), HISTOGRAM=HISTOGRAM, BINS=BINS,
-            num_warps=NUM_WARPS, **flags)
+            BLOCK_SIZE=block, TILE=mass_block, TILES=tiles, TILES_P2=triton.next_power_of_2(tiles),
+            HISTOGRAM=HISTOGRAM, BINS=BINS, num_warps=NUM_WARPS, **flags)
 
     for i in range(passes):
-        launch(COUNT, i, counts[i - 1] if i else counts[0], prefix_k, counts[i], norm, 1, COUNT_BLOCK)
+        launch(COUNT, i, counts[i - 1] if i else counts[0], prefix_k, counts[i], norm, 1, count_block)
         tp.all_reduce(counts[i])   # the counts over ranks
     _top_k_logit_kernel[(RP,)](top_k, counts[-1], counts[0], prefix_k, xk, P, splits, passes - 1, BITS=bits,
                                NC=CANDIDATES, SPLITS_P2=triton.next_power_of_2(splits))
-    launch(LOG_NORM, 0, counts[0], prefix_p, norm, norm, 1, MASS_BLOCK)
+    launch(LOG_NORM, 0, counts[0], prefix_p, norm, norm, 1, mass_block)
     norm_in, norm_splits = norm, splits
     if tp.is_parallel:   # (max, sum) pairs combine by rescaling, not by a plain sum: over the ranks here
         m = tp.all_reduce(norm[..., 0].amax(1), torch.distributed.ReduceOp.MAX)
@@ -282,7 +322,7 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         norm_in, norm_splits = torch.stack([m, z], -1).reshape(RP, 1, 2), 1
         norm_in = torch.nn.functional.pad(norm_in, (0, CANDIDATES - 2))
     for i in range(passes):
-        launch(MASS, i, masses[i - 1] if i else masses[0], prefix_p, masses[i], norm_in, norm_splits, MASS_BLOCK)
+        launch(MASS, i, masses[i - 1] if i else masses[0], prefix_p, masses[i], norm_in, norm_splits, mass_block)
         tp.all_reduce(masses[i])   # the masses over ranks
     out = torch.empty(RP, dtype=torch.float32, device=dev)
     _finish_kernel[(RP,)](temp, top_p, xk, masses[-1], masses[0], prefix_p, out, P, splits, passes - 1, cap,
