@@ -79,9 +79,9 @@ def decided_value(x, t_eff, softcap, HAS_SOFTCAP: tl.constexpr, ON_SCALED: tl.co
     """The value a filter is decided on, of raw logits x (fp32): softcap(x) [/ T]."""
     u = x
     if HAS_SOFTCAP:
-        u = tanh(u / softcap, INTERPRETED) * softcap
+        u = tanh(tl.div_rn(u, softcap), INTERPRETED) * softcap
     if ON_SCALED:
-        u = u / t_eff
+        u = tl.div_rn(u, t_eff)
     return u
 
 

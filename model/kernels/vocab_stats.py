@@ -9,6 +9,12 @@ read in their own dtype; the softcap, the filter threshold, the temperature and 
 Gumbel noise (the same hash as model.sampling.noise, bit for bit) are applied in registers. The
 number of splits depends only on the slice width, never on the batch, so a row's statistics do not
 depend on its neighbours. model.sampling.stats.combine merges splits and ranks.
+
+Divisions (by T, by the softcap) are IEEE-rounded (`tl.div_rn`), as torch's: triton's `/` is an
+approximate division whose vector and scalar forms can differ by an ulp, and then an entry's s and its
+own maximum's (or the filter's threshold, model/kernels/filters.py) disagree. With top_k 1 at T = 0.7
+that made the kept entry's exp(s - max) < 1 and its logprob positive (up to 7.6e-6, on an H100), and
+could leave a threshold above its own maximum.
 """
 from __future__ import annotations
 
@@ -91,8 +97,8 @@ def _vocab_stats_kernel(x_ptr, temp_ptr, seed_ptr, counter_ptr, thr_ptr, keys_pt
         inside = cols < V
         u = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
         if HAS_SOFTCAP:
-            u = tl.where(inside, tanh(u / softcap, INTERPRETED) * softcap, u)
-        s = u / t_eff
+            u = tl.where(inside, tanh(tl.div_rn(u, softcap), INTERPRETED) * softcap, u)
+        s = tl.div_rn(u, t_eff)
         if HAS_THR:
             if THR_ON_SCALED:
                 keep = s >= thr
@@ -116,8 +122,8 @@ def _vocab_stats_kernel(x_ptr, temp_ptr, seed_ptr, counter_ptr, thr_ptr, keys_pt
         alpha = tl.exp(d)
         a_u = alpha * (a_u + z_u * d)
         z_u = alpha * z_u
-        ms_old = old_safe / t_eff
-        ms_new = new_safe / t_eff
+        ms_old = tl.div_rn(old_safe, t_eff)
+        ms_new = tl.div_rn(new_safe, t_eff)
         ds = ms_old - ms_new
         alpha_s = tl.exp(ds)
         a_s = alpha_s * (a_s + z_s * ds)
@@ -187,8 +193,8 @@ def _probabilities_kernel(x_ptr, temp_ptr, thr_ptr, norm_ptr, out_ptr, P, V, sof
     offset = n.to(tl.int64) * V
     u = tl.load(x_ptr + offset + cols, mask=inside, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        u = tanh(u / softcap, INTERPRETED) * softcap
-    s = u / t_eff
+        u = tanh(tl.div_rn(u, softcap), INTERPRETED) * softcap
+    s = tl.div_rn(u, t_eff)
     if HAS_THR:
         thr = tl.load(thr_ptr + n)
         if THR_ON_SCALED:

@@ -46,7 +46,9 @@ class RowSampler:
         xs = x[rows]
         temp = stats.temperature[rows].view(-1, 1)
         lse_s = stats.lse_s[rows]
-        logprob = S.unscaled(x_tok, self.softcap) / temp - lse_s
+        # a log-probability is <= 0; x_tok's u (torch) and the passes' (triton's tanh) may differ by an ulp,
+        # which a distribution holding one entry (top_k 1) would otherwise show as a positive logprob
+        logprob = (S.unscaled(x_tok, self.softcap) / temp - lse_s).clamp(max=0)
         asked = self.slots.logprobs[idx[rows]]
         if needed is not None:
             asked = torch.where(needed, asked, -1)
@@ -60,7 +62,7 @@ class RowSampler:
             base = s if self.filter_on_scaled else S.unscaled(values, self.softcap)
             kept = base >= stats.threshold[rows].unsqueeze(-1)
             s = torch.where(kept, s, -torch.inf)
-        return Scores(logprob, rank, s - lse_s.unsqueeze(-1), ids)
+        return Scores(logprob, rank, (s - lse_s.unsqueeze(-1)).clamp(max=0), ids)
 
     def _merge_ranks(self, keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each rank's k largest keys [B', P, k] -> the global k largest raw logits and their ids, ties to
