@@ -250,3 +250,28 @@ print("asked rows only")
 def test_triton_scores_skip_rows_that_asked_none_in_the_interpreter():
     """A graph's plan scores every row; the kernel computes only what each row's request asked for."""
     run_interpreted(ASKED_CHECK, "asked rows only", timeout=200)
+
+
+def test_scores_are_log_probabilities_at_most_0():
+    """A token's logprob and its alternatives' never exceed log 1, also when the statistics' normaliser
+    rounds a little below the token's own s: on CUDA the passes' u (triton's tanh) and the token's
+    (torch's) may differ by an ulp, and a distribution of one entry (top_k 1) then scored +1e-6."""
+    from types import SimpleNamespace
+
+    from model.sampling.filters import torch_threshold
+    from model.slots import SlotTable
+    from model.steps.sampler import RowSampler
+
+    x, temp, seed, counter = case(R=2, P=4, V=300)
+    slots = SlotTable(2, 4, 0, torch.device("cpu"))
+    slots.temperature[:2], slots.logprobs[:2] = temp, 3
+    sampler = RowSampler(SimpleNamespace(tp=TP1, vocab_start=0, logit_softcap=30.0), slots)
+    top_k, top_p = torch.tensor([1, 1]), torch.tensor([1.0, 1.0])
+    thr = torch_threshold(x, temp, top_k, top_p, 0, TP1, softcap=30.0, on_scaled=False)
+    st = S.vocab_stats(x, temp, seed, counter, 0, TP1, softcap=30.0, threshold=thr, threshold_on_scaled=False)
+    rows = torch.arange(2)
+    exact = sampler.scores(x, st, st.x_sample, rows, 3, rows)
+    assert exact.logprob.max() > -1e-6   # one entry kept (or ties): log 1
+    st.lse_s = st.lse_s - 1e-5           # the kernels' rounding, exaggerated
+    scores = sampler.scores(x, st, st.x_sample, rows, 3, rows)
+    assert (scores.logprob <= 0).all() and (scores.top_values <= 0).all()
