@@ -62,6 +62,22 @@ def test_pieces_combine_like_the_whole_slice():
         assert torch.allclose(getattr(combined, key), getattr(whole, key), atol=1e-5), key
 
 
+def test_pieces_that_keep_nothing_combine_at_low_temperatures():
+    """A piece whose every entry a filter dropped adds nothing, also where the row's max / T is below
+    -88 (its scale exp(0 - max / T) used to overflow: inf * 0 = NaN)."""
+    x = torch.randn(2, 3, 1000, generator=torch.Generator().manual_seed(0)) - 12.0
+    temp, seed, counter = torch.tensor([0.1, 1.0]), torch.tensor([1, 2]), torch.tensor([0, 0])
+    thr = x.amax(-1) / temp[:, None]   # top_k 1
+    whole = S.vocab_stats(x, temp, seed, counter, 0, TP1, threshold=thr)
+    bounds = [0, 300, 600, 1000]
+    parts = [S.torch_partials(x[..., a:b], temp, seed, counter, a, threshold=thr) for a, b in zip(bounds, bounds[1:])]
+    combined = S.combine(torch.cat([k for k, _ in parts], -1), torch.cat([s for _, s in parts], -1), x, temp, 0, TP1)
+    assert (whole.lse_s < -88).any()
+    for key in ("lse_u", "lse_s", "entropy_u", "entropy_s"):
+        assert torch.isfinite(getattr(combined, key)).all(), key
+        assert torch.allclose(getattr(combined, key), getattr(whole, key), atol=1e-5), key
+
+
 def test_thresholds_filter_in_the_space_they_are_decided_in():
     x, temp, seed, counter = case()
     thr = torch.full(x.shape[:-1], -torch.inf)
@@ -113,6 +129,19 @@ for R, P, V, softcap, soft, vs, dtype in [(2, 3, 997, None, None, 0, torch.float
         pb = TRITON_PASSES.probabilities(x, temp, a.lse_soft, **kw)
         assert (pa - pb).abs().max().item() < 1e-6 and torch.equal(pa > 0, pb > 0), (pa - pb).abs().max()
         assert abs(pa.sum(-1) - 1).max() < 1e-3   # softmax(round(s)) normalised by lse_soft
+# logits far below 0 at low temperatures (max / T < -88: exp(-max / T) overflows fp32), filtered to
+# their maximum, so that most splits of a row keep nothing
+x = torch.randn(2, 2, 40000) * 2 - 20
+temp = torch.tensor([0.1, 0.2])
+seed, counter = torch.tensor([5, 9]), torch.tensor([3, 0])
+thr = x.amax(-1) / temp[:, None]
+for threshold in (None, thr):
+    a = S.vocab_stats(x, temp, seed, counter, 0, TPGroup(), threshold=threshold)
+    b = S.vocab_stats(x, temp, seed, counter, 0, TPGroup(), threshold=threshold, passes=TRITON_PASSES)
+    assert torch.equal(a.greedy, b.greedy) and torch.equal(a.sample, b.sample)
+    for f in ("lse_u", "lse_s", "entropy_u", "entropy_s"):
+        assert torch.isfinite(getattr(b, f)).all(), f
+        assert torch.allclose(getattr(a, f), getattr(b, f), rtol=1e-5, atol=1e-5), f
 print("triton == torch")
 """
 

@@ -115,8 +115,9 @@ def _vocab_stats_kernel(x_ptr, temp_ptr, seed_ptr, counter_ptr, thr_ptr, keys_pt
                 noisy = tl.where(s > -float("inf"), s - tl.log(-tl.log(unif)), s)
                 sample = tl.maximum(sample, tl.max(_keys(noisy, ids), axis=0))
         new_m = tl.maximum(m, tl.max(u, axis=0))
-        old_safe = tl.where(m == -float("inf"), 0.0, m)
         new_safe = tl.where(new_m == -float("inf"), 0.0, new_m)
+        # nothing summed yet: no rescale (from 0, exp(-max / T) overflows for max / T < -88: inf * 0 = NaN)
+        old_safe = tl.where(m == -float("inf"), new_safe, m)
         # rescale what the earlier tiles summed to the new maximum
         d = old_safe - new_safe
         alpha = tl.exp(d)

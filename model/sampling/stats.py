@@ -195,7 +195,9 @@ def combine(keys: torch.Tensor, sums: torch.Tensor, x: torch.Tensor, temperature
     m, m_piece = m.to(sums.dtype), m_piece.to(sums.dtype)
     temp = effective_temperature(temperature).view(-1, 1, 1).to(sums.dtype)
     m_g = torch.where(torch.isfinite(m), m, 0.0).unsqueeze(-1)
-    m_p = torch.where(torch.isfinite(m_piece), m_piece, 0.0)
+    # a piece with every entry filtered sums zeros: scaled by 1, not by exp(0 - max / T), which overflows
+    # for max / T < -88 (and inf * 0 is NaN)
+    m_p = torch.where(torch.isfinite(m_piece), m_piece, m_g)
     # a piece's maximum of s is its maximum of u divided by T (division is monotone): what the pass used
     ms_g, ms_p = m_g / temp, m_p / temp
     scale_u, scale_s = torch.exp(m_p - m_g), torch.exp(ms_p - ms_g)
