@@ -283,7 +283,7 @@ def test_top_k_1_keeps_its_maximum_and_scores_it_log_1(dtype):
     ties = (x.float() == x.float().amax(-1, keepdim=True)).sum(-1)
     logprob = st.x_sample / temp[:, None] - st.lse_s
     assert torch.equal(st.x_sample, x.float().amax(-1))
-    assert torch.allclose(logprob, -torch.log(ties.float()), rtol=0, atol=1e-6) and (logprob <= 0).all()
+    assert torch.allclose(logprob, -torch.log(ties.float()), rtol=0, atol=4e-6) and (logprob <= 0).all()
     if dtype == torch.float32:
         assert (logprob == 0).all()
 
