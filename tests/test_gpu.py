@@ -261,31 +261,47 @@ def test_triton_thresholds_equal_torch(family, dtype):
     assert torch.allclose(a, b, rtol=1e-6, atol=0), (a - b).abs().max()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_top_k_1_keeps_its_maximum_and_scores_it_log_1(dtype):
-    """top_k 1 at T = 0.7 on a full-size vocabulary: the filter's threshold is the maximum's own s = x / T
-    as torch rounds it, the statistics pass keeps that entry, and the sampled token's logprob is log 1 = 0
-    (fp32: no ties) or log(1 / ties) (bf16), never above 0. With triton's approximate division the
-    threshold sat above its maximum at 70 of 512 positions and 155 logprobs were positive (H100)."""
+@pytest.mark.parametrize("family,dtype", [("nemotron", torch.bfloat16), ("nemotron", torch.float32),
+                                          ("gemma", torch.bfloat16)])
+def test_top_k_1_keeps_its_maximum_and_scores_it_log_1(family, dtype):
+    """top_k 1 at T = 0.7 on a full-size vocabulary: the filter's threshold is the maximum's own value as
+    torch computes it (Nemotron: x / T; DiffusionGemma: the softcap), the statistics pass keeps that
+    entry, the sampled token's logprob is log 1 = 0 (fp32: no ties) or log(1 / ties) (bf16), never above
+    0 before the sampler's clamp, and the scores list the token among its own alternatives at that
+    logprob (not as filtered). With triton's approximate division the threshold sat above its maximum at
+    70 of 512 positions and 155 logprobs were positive (H100, Nemotron bf16)."""
+    from types import SimpleNamespace
+
     from model.kernels.vocab_stats import TRITON_PASSES
     from model.parallel.group import TPGroup
     from model.sampling import stats as S
+    from model.slots import SlotTable
+    from model.steps.sampler import RowSampler
 
-    R, P, V = 16, 32, 131072
+    softcap, (R, P, V) = (None, (16, 32, 131072)) if family == "nemotron" else (30.0, (4, 256, 262144))
+    on_scaled = softcap is None
     x = (torch.randn(R, P, V, generator=torch.Generator().manual_seed(1)) * 3).to(dtype).cuda()
     temp = torch.full((R,), 0.7, device="cuda")
     top_k, top_p = torch.ones(R, dtype=torch.int64, device="cuda"), torch.ones(R, device="cuda")
-    thr = TRITON_PASSES.threshold(x, temp, top_k, top_p, 0, TPGroup(), on_scaled=True)
-    top = x.float().amax(-1) / temp[:, None]
-    assert torch.equal(thr, top)
+    thr = TRITON_PASSES.threshold(x, temp, top_k, top_p, 0, TPGroup(), softcap=softcap, on_scaled=on_scaled)
+    top_u = S.unscaled(x, softcap).amax(-1)
+    assert torch.equal(thr, top_u / temp[:, None] if on_scaled else top_u)
     st = S.vocab_stats(x, temp, torch.arange(R, device="cuda"), torch.zeros(R, dtype=torch.int64, device="cuda"), 0,
-                       TPGroup(), threshold=thr, threshold_on_scaled=True, passes=TRITON_PASSES)
+                       TPGroup(), softcap=softcap, threshold=thr, threshold_on_scaled=on_scaled, passes=TRITON_PASSES)
     ties = (x.float() == x.float().amax(-1, keepdim=True)).sum(-1)
-    logprob = st.x_sample / temp[:, None] - st.lse_s
+    logprob = S.unscaled(st.x_sample, softcap) / temp[:, None] - st.lse_s
     assert torch.equal(st.x_sample, x.float().amax(-1))
     assert torch.allclose(logprob, -torch.log(ties.float()), rtol=0, atol=4e-6) and (logprob <= 0).all()
     if dtype == torch.float32:
         assert (logprob == 0).all()
+    slots = SlotTable(R, P, 0, torch.device("cuda"))
+    slots.temperature[:R], slots.logprobs[:R] = temp, 2
+    sampler = RowSampler(SimpleNamespace(tp=TPGroup(), vocab_start=0, logit_softcap=softcap), slots, TRITON_PASSES)
+    rows = torch.arange(R, device="cuda")
+    scores = sampler.scores(x, st, st.x_sample, rows, 2, rows)
+    alone = ties == 1
+    assert torch.equal(scores.top_ids[..., 0][alone], st.sample[alone])
+    assert torch.equal(scores.top_values[..., 0], scores.logprob)
 
 
 @pytest.mark.parametrize("family", ["nemotron", "gemma"])

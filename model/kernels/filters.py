@@ -74,12 +74,12 @@ def tanh(y, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def decided_value(x, t_eff, softcap, HAS_SOFTCAP: tl.constexpr, ON_SCALED: tl.constexpr,
+def decided_value(x, t_eff, softcap, inv_softcap, HAS_SOFTCAP: tl.constexpr, ON_SCALED: tl.constexpr,
                   INTERPRETED: tl.constexpr):
     """The value a filter is decided on, of raw logits x (fp32): softcap(x) [/ T]."""
     u = x
     if HAS_SOFTCAP:
-        u = tanh(tl.div_rn(u, softcap), INTERPRETED) * softcap
+        u = tanh(u * inv_softcap, INTERPRETED) * softcap
     if ON_SCALED:
         u = tl.div_rn(u, t_eff)
     return u
@@ -119,7 +119,7 @@ def _chosen(totals_ptr, n, splits, target, NC: tl.constexpr, SPLITS_P2: tl.const
 # (triton would otherwise compile apart the values equal to 1 or divisible by 16)
 @triton.jit(do_not_specialize=["PASS", "SHIFT"])
 def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_ptr, out_ptr, xk_ptr, norm_ptr,
-                        tile_max_ptr, P, V, splits, norm_splits, softcap, PASS, SHIFT,
+                        tile_max_ptr, P, V, splits, norm_splits, softcap, inv_softcap, PASS, SHIFT,
                         MODE: tl.constexpr, BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         ON_SCALED: tl.constexpr, INTERPRETED: tl.constexpr, NC: tl.constexpr,
                         SPLITS_P2: tl.constexpr, NORM_SPLITS_P2: tl.constexpr, SPLIT_SIZE: tl.constexpr,
@@ -162,7 +162,7 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
         low = prefix.to(tl.uint32)
         thr = -float("inf")
         if MODE != COUNT:
-            thr = decided_value(tl.load(xk_ptr + n), t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
+            thr = decided_value(tl.load(xk_ptr + n), t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
         if MODE == MASS:
             s = tl.arange(0, NORM_SPLITS_P2)
             inside_s = s < norm_splits
@@ -204,12 +204,12 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
             # the tile holds an entry at or above the prefix (pass 0's prefix is 0: every tile)
             reaches = _logit_keys(top_x, BITS) >= low
             if MODE != COUNT:   # and one that survives top-k (thr = v(-inf) where no top-k: always)
-                reaches = reaches & (decided_value(top_x, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED) >= thr)
+                reaches = reaches & (decided_value(top_x, t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED) >= thr)
             if reaches:
                 if not fill:
                     x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
                 if MODE == LOG_NORM:
-                    v = decided_value(x, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
+                    v = decided_value(x, t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
                     v = tl.where(inside & (v >= thr), v, -float("inf"))
                     new_m = tl.maximum(m, tl.max(v, 0))
                     safe_m = tl.where(new_m == -float("inf"), 0.0, new_m)
@@ -227,7 +227,7 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
                         else:
                             acc += (d[:, None] < binned[None, :]).to(tl.float32)
                     else:
-                        v = decided_value(x, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
+                        v = decided_value(x, t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
                         mass = tl.where(at & inside & (v >= thr), tl.exp(v - norm), 0.0)
                         acc += tl.where(d[:, None] <= digits[None, :], mass[None, :], 0.0)
     out = (n * splits + split) * NC
@@ -254,7 +254,7 @@ def _top_k_logit_kernel(top_k_ptr, totals_ptr, first_ptr, prefix_ptr, xk_ptr, P,
 
 @triton.jit
 def _finish_kernel(temp_ptr, top_p_ptr, xk_ptr, totals_ptr, first_ptr, prefix_ptr, out_ptr, P, splits, last,
-                   softcap, BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ON_SCALED: tl.constexpr,
+                   softcap, inv_softcap, BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ON_SCALED: tl.constexpr,
                    INTERPRETED: tl.constexpr, NC: tl.constexpr, SPLITS_P2: tl.constexpr):
     """out[n]: the threshold v(max(top-k logit, top-p logit)), -inf for a row asking neither filter."""
     n = tl.program_id(0)
@@ -268,7 +268,7 @@ def _finish_kernel(temp_ptr, top_p_ptr, xk_ptr, totals_ptr, first_ptr, prefix_pt
         _, reached = _chosen(first_ptr, n, splits, p, NC, SPLITS_P2)   # the whole mass reaches p
         key = tl.load(prefix_ptr + last * tl.num_programs(0) + n) + digit.to(tl.int64)
         raw = tl.where(reached, tl.maximum(raw, _key_logit(key, BITS)), raw)
-    v = decided_value(raw, t_eff, softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
+    v = decided_value(raw, t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
     tl.store(out_ptr + n, tl.where(raw == -float("inf"), -float("inf"), v))
 
 
@@ -303,7 +303,7 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 
     def launch(mode, i, prev, prefix, out, norm_in, norm_splits, block):
         _filter_pass_kernel[(RP, splits)](
-            x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, tile_max, P, V, splits, norm_splits, cap, i,
+            x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, tile_max, P, V, splits, norm_splits, cap, 1.0 / cap, i,
             bits - 4 * (i + 1), MODE=mode.value, NORM_SPLITS_P2=triton.next_power_of_2(norm_splits), SPLIT_SIZE=width,
             BLOCK_SIZE=block, TILE=mass_block, TILES=tiles, TILES_P2=triton.next_power_of_2(tiles),
             HISTOGRAM=HISTOGRAM, BINS=BINS, num_warps=NUM_WARPS, **flags)
@@ -325,6 +325,6 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         launch(MASS, i, masses[i - 1] if i else masses[0], prefix_p, masses[i], norm_in, norm_splits, mass_block)
         tp.all_reduce(masses[i])   # the masses over ranks
     out = torch.empty(RP, dtype=torch.float32, device=dev)
-    _finish_kernel[(RP,)](temp, top_p, xk, masses[-1], masses[0], prefix_p, out, P, splits, passes - 1, cap,
+    _finish_kernel[(RP,)](temp, top_p, xk, masses[-1], masses[0], prefix_p, out, P, splits, passes - 1, cap, 1.0 / cap,
                           **flags)
     return out.view(R, P)

@@ -10,9 +10,11 @@ Gumbel noise (the same hash as model.sampling.noise, bit for bit) are applied in
 number of splits depends only on the slice width, never on the batch, so a row's statistics do not
 depend on its neighbours. model.sampling.stats.combine merges splits and ranks.
 
-Divisions (by T, by the softcap) are IEEE-rounded (`tl.div_rn`), as torch's: triton's `/` is an
-approximate division whose vector and scalar forms can differ by an ulp, and then an entry's s and its
-own maximum's (or the filter's threshold, model/kernels/filters.py) disagree. With top_k 1 at T = 0.7
+Every path computes u and s as torch does (model.sampling.filters): s = u / T IEEE-rounded
+(`tl.div_rn`), the softcap as tanh(x * (1 / c)) * c with 1 / c rounded on the host (torch's CUDA
+division by a Python scalar multiplies by its reciprocal; torch's `unscaled` multiplies everywhere).
+Triton's `/` is an approximate division whose vector and scalar forms can differ by an ulp, and then an
+entry's s and its own maximum's (or the filter's threshold, model/kernels/filters.py) disagree. With top_k 1 at T = 0.7
 that made the kept entry's exp(s - max) < 1 and its logprob positive (up to 7.6e-6, on an H100), and
 could leave a threshold above its own maximum.
 """
@@ -63,7 +65,7 @@ def _round(v, ROUNDED: tl.constexpr):
 
 @triton.jit
 def _vocab_stats_kernel(x_ptr, temp_ptr, seed_ptr, counter_ptr, thr_ptr, keys_ptr, sums_ptr,
-                        P, V, vocab_start, splits, n_total, softcap,
+                        P, V, vocab_start, splits, n_total, softcap, inv_softcap,
                         STREAM: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_THR: tl.constexpr,
                         THR_ON_SCALED: tl.constexpr, SAMPLING: tl.constexpr, ROUNDED: tl.constexpr,
                         INTERPRETED: tl.constexpr, SPLIT_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
@@ -97,7 +99,7 @@ def _vocab_stats_kernel(x_ptr, temp_ptr, seed_ptr, counter_ptr, thr_ptr, keys_pt
         inside = cols < V
         u = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
         if HAS_SOFTCAP:
-            u = tl.where(inside, tanh(tl.div_rn(u, softcap), INTERPRETED) * softcap, u)
+            u = tl.where(inside, tanh(u * inv_softcap, INTERPRETED) * softcap, u)
         s = tl.div_rn(u, t_eff)
         if HAS_THR:
             if THR_ON_SCALED:
@@ -174,7 +176,7 @@ def triton_partials(x: torch.Tensor, temperature: torch.Tensor, seed: torch.Tens
     thr = threshold.float().contiguous() if threshold is not None else temp
     _vocab_stats_kernel[(n_total, splits)](
         x, temp, seed.contiguous(), counter.contiguous(), thr, keys, sums, P, V, vocab_start, splits, n_total,
-        float(softcap or 1.0), STREAM=STREAM_GUMBEL, HAS_SOFTCAP=softcap is not None, HAS_THR=threshold is not None,
+        float(softcap or 1.0), 1.0 / float(softcap or 1.0), STREAM=STREAM_GUMBEL, HAS_SOFTCAP=softcap is not None, HAS_THR=threshold is not None,
         THR_ON_SCALED=threshold_on_scaled, SAMPLING=sampling, ROUNDED=_ROUNDED[soft_dtype], INTERPRETED=INTERPRETED,
         SPLIT_SIZE=min(SPLIT, triton.next_power_of_2(V)), BLOCK_SIZE=min(BLOCK, triton.next_power_of_2(V)),
         num_warps=8)
@@ -182,7 +184,7 @@ def triton_partials(x: torch.Tensor, temperature: torch.Tensor, seed: torch.Tens
 
 
 @triton.jit
-def _probabilities_kernel(x_ptr, temp_ptr, thr_ptr, norm_ptr, out_ptr, P, V, softcap,
+def _probabilities_kernel(x_ptr, temp_ptr, thr_ptr, norm_ptr, out_ptr, P, V, softcap, inv_softcap,
                           HAS_SOFTCAP: tl.constexpr, HAS_THR: tl.constexpr, THR_ON_SCALED: tl.constexpr,
                           ROUNDED: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     n = tl.program_id(0)
@@ -194,7 +196,7 @@ def _probabilities_kernel(x_ptr, temp_ptr, thr_ptr, norm_ptr, out_ptr, P, V, sof
     offset = n.to(tl.int64) * V
     u = tl.load(x_ptr + offset + cols, mask=inside, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        u = tanh(tl.div_rn(u, softcap), INTERPRETED) * softcap
+        u = tanh(u * inv_softcap, INTERPRETED) * softcap
     s = tl.div_rn(u, t_eff)
     if HAS_THR:
         thr = tl.load(thr_ptr + n)
@@ -218,7 +220,7 @@ def triton_probabilities(x: torch.Tensor, temperature: torch.Tensor, log_norm: t
     thr = threshold.float().contiguous() if threshold is not None else temp
     block = min(BLOCK, triton.next_power_of_2(V))
     _probabilities_kernel[(R * P, triton.cdiv(V, block))](
-        x, temp, thr, log_norm.float().contiguous(), out, P, V, float(softcap or 1.0),
+        x, temp, thr, log_norm.float().contiguous(), out, P, V, float(softcap or 1.0), 1.0 / float(softcap or 1.0),
         HAS_SOFTCAP=softcap is not None, HAS_THR=threshold is not None, THR_ON_SCALED=threshold_on_scaled,
         ROUNDED=_ROUNDED[soft_dtype], INTERPRETED=INTERPRETED, BLOCK_SIZE=block, num_warps=4)
     return out

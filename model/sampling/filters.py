@@ -45,7 +45,9 @@ def _rows(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _softcap(u: torch.Tensor, cap: float | None) -> torch.Tensor:
-    return u if cap is None else torch.tanh(u / cap) * cap
+    # times 1 / cap, not / cap: what torch's CUDA division by a Python scalar computes anyway (its CPU
+    # division rounds otherwise), and what the triton passes compute, so every device and path agrees
+    return u if cap is None else torch.tanh(u * (1.0 / cap)) * cap
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
