@@ -15,6 +15,19 @@ from model.slots import Scores, SlotTable
 from model.steps.plan import RowPlan
 
 
+# how far above log 1 a logprob may round: the token's s and the normaliser are each within an ulp or
+# two of |s| of the same value (a distribution of one entry: top_k 1), computed by torch and by the passes
+ROUNDING_ULPS = 8
+
+
+def _log_probability(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """s - lse, at most log 1 where it exceeds it by rounding alone; a larger excess is left to show
+    (a wrong normaliser must not pass as a certain token)."""
+    logprob = s - lse
+    rounding = ROUNDING_ULPS * torch.finfo(torch.float32).eps * s.abs().clamp(min=1)
+    return torch.where(logprob <= rounding, logprob.clamp(max=0), logprob)
+
+
 class RowSampler:
     def __init__(self, model, slots: SlotTable, passes: S.VocabPasses = S.TORCH_PASSES):
         self.slots, self.tp = slots, model.tp
@@ -46,9 +59,7 @@ class RowSampler:
         xs = x[rows]
         temp = stats.temperature[rows].view(-1, 1)
         lse_s = stats.lse_s[rows]
-        # a log-probability is <= 0; x_tok's u (torch) and the passes' (triton's tanh) may differ by an ulp,
-        # which a distribution holding one entry (top_k 1) would otherwise show as a positive logprob
-        logprob = (S.unscaled(x_tok, self.softcap) / temp - lse_s).clamp(max=0)
+        logprob = _log_probability(S.unscaled(x_tok, self.softcap) / temp, lse_s)
         asked = self.slots.logprobs[idx[rows]]
         if needed is not None:
             asked = torch.where(needed, asked, -1)
@@ -62,7 +73,7 @@ class RowSampler:
             base = s if self.filter_on_scaled else S.unscaled(values, self.softcap)
             kept = base >= stats.threshold[rows].unsqueeze(-1)
             s = torch.where(kept, s, -torch.inf)
-        return Scores(logprob, rank, (s - lse_s.unsqueeze(-1)).clamp(max=0), ids)
+        return Scores(logprob, rank, _log_probability(s, lse_s.unsqueeze(-1)), ids)
 
     def _merge_ranks(self, keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each rank's k largest keys [B', P, k] -> the global k largest raw logits and their ids, ties to
