@@ -204,7 +204,8 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
             # the tile holds an entry at or above the prefix (pass 0's prefix is 0: every tile)
             reaches = _logit_keys(top_x, BITS) >= low
             if MODE != COUNT:   # and one that survives top-k (thr = v(-inf) where no top-k: always)
-                reaches = reaches & (decided_value(top_x, t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED) >= thr)
+                top_v = decided_value(top_x, t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
+                reaches = reaches & (top_v >= thr)
             if reaches:
                 if not fill:
                     x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
@@ -272,6 +273,13 @@ def _finish_kernel(temp_ptr, top_p_ptr, xk_ptr, totals_ptr, first_ptr, prefix_pt
     tl.store(out_ptr + n, tl.where(raw == -float("inf"), -float("inf"), v))
 
 
+def softcap_operands(softcap: float | None) -> tuple[float, float]:
+    """(c, 1 / c) as the kernels take them, 1 / c rounded here on the host as model.sampling.filters'
+    torch softcap multiplies by it; (1, 1) without a softcap (the kernels skip it then)."""
+    cap = float(softcap or 1.0)
+    return cap, 1.0 / cap
+
+
 def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                      vocab_start: int, tp: TPGroup, *, softcap: float | None = None,
                      on_scaled: bool = True) -> torch.Tensor:
@@ -286,7 +294,7 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     top_k, top_p = top_k.contiguous(), top_p.float().contiguous()
     flags = dict(BITS=bits, HAS_SOFTCAP=softcap is not None, ON_SCALED=on_scaled, INTERPRETED=INTERPRETED,
                  NC=CANDIDATES, SPLITS_P2=triton.next_power_of_2(splits))
-    cap = float(softcap or 1.0)
+    cap, inv_cap = softcap_operands(softcap)
     counts = torch.empty(passes, RP, splits, CANDIDATES, device=dev)
     masses = torch.empty_like(counts)
     norm = torch.empty(RP, splits, CANDIDATES, device=dev)
@@ -303,7 +311,7 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 
     def launch(mode, i, prev, prefix, out, norm_in, norm_splits, block):
         _filter_pass_kernel[(RP, splits)](
-            x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, tile_max, P, V, splits, norm_splits, cap, 1.0 / cap, i,
+            x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, tile_max, P, V, splits, norm_splits, cap, inv_cap, i,
             bits - 4 * (i + 1), MODE=mode.value, NORM_SPLITS_P2=triton.next_power_of_2(norm_splits), SPLIT_SIZE=width,
             BLOCK_SIZE=block, TILE=mass_block, TILES=tiles, TILES_P2=triton.next_power_of_2(tiles),
             HISTOGRAM=HISTOGRAM, BINS=BINS, num_warps=NUM_WARPS, **flags)
@@ -325,6 +333,6 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         launch(MASS, i, masses[i - 1] if i else masses[0], prefix_p, masses[i], norm_in, norm_splits, mass_block)
         tp.all_reduce(masses[i])   # the masses over ranks
     out = torch.empty(RP, dtype=torch.float32, device=dev)
-    _finish_kernel[(RP,)](temp, top_p, xk, masses[-1], masses[0], prefix_p, out, P, splits, passes - 1, cap, 1.0 / cap,
+    _finish_kernel[(RP,)](temp, top_p, xk, masses[-1], masses[0], prefix_p, out, P, splits, passes - 1, cap, inv_cap,
                           **flags)
     return out.view(R, P)

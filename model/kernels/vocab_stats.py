@@ -14,9 +14,9 @@ Every path computes u and s as torch does (model.sampling.filters): s = u / T IE
 (`tl.div_rn`), the softcap as tanh(x * (1 / c)) * c with 1 / c rounded on the host (torch's CUDA
 division by a Python scalar multiplies by its reciprocal; torch's `unscaled` multiplies everywhere).
 Triton's `/` is an approximate division whose vector and scalar forms can differ by an ulp, and then an
-entry's s and its own maximum's (or the filter's threshold, model/kernels/filters.py) disagree. With top_k 1 at T = 0.7
-that made the kept entry's exp(s - max) < 1 and its logprob positive (up to 7.6e-6, on an H100), and
-could leave a threshold above its own maximum.
+entry's s and its own maximum's (or the filter's threshold, model/kernels/filters.py) disagree. With
+top_k 1 at T = 0.7 that made the kept entry's exp(s - max) < 1 and its logprob positive (up to 7.6e-6,
+on an H100), and could leave a threshold above its own maximum.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.filters import tanh, triton_threshold
+from model.kernels.filters import softcap_operands, tanh, triton_threshold
 from model.kernels.launch import INTERPRETED
 from model.sampling.noise import STREAM_GUMBEL
 from model.sampling.stats import NUM_SUMS, VocabPasses, encode_keys
@@ -176,8 +176,9 @@ def triton_partials(x: torch.Tensor, temperature: torch.Tensor, seed: torch.Tens
     thr = threshold.float().contiguous() if threshold is not None else temp
     _vocab_stats_kernel[(n_total, splits)](
         x, temp, seed.contiguous(), counter.contiguous(), thr, keys, sums, P, V, vocab_start, splits, n_total,
-        float(softcap or 1.0), 1.0 / float(softcap or 1.0), STREAM=STREAM_GUMBEL, HAS_SOFTCAP=softcap is not None, HAS_THR=threshold is not None,
-        THR_ON_SCALED=threshold_on_scaled, SAMPLING=sampling, ROUNDED=_ROUNDED[soft_dtype], INTERPRETED=INTERPRETED,
+        *softcap_operands(softcap), STREAM=STREAM_GUMBEL, HAS_SOFTCAP=softcap is not None,
+        HAS_THR=threshold is not None, THR_ON_SCALED=threshold_on_scaled, SAMPLING=sampling,
+        ROUNDED=_ROUNDED[soft_dtype], INTERPRETED=INTERPRETED,
         SPLIT_SIZE=min(SPLIT, triton.next_power_of_2(V)), BLOCK_SIZE=min(BLOCK, triton.next_power_of_2(V)),
         num_warps=8)
     return keys, sums
@@ -220,7 +221,7 @@ def triton_probabilities(x: torch.Tensor, temperature: torch.Tensor, log_norm: t
     thr = threshold.float().contiguous() if threshold is not None else temp
     block = min(BLOCK, triton.next_power_of_2(V))
     _probabilities_kernel[(R * P, triton.cdiv(V, block))](
-        x, temp, thr, log_norm.float().contiguous(), out, P, V, float(softcap or 1.0), 1.0 / float(softcap or 1.0),
+        x, temp, thr, log_norm.float().contiguous(), out, P, V, *softcap_operands(softcap),
         HAS_SOFTCAP=softcap is not None, HAS_THR=threshold is not None, THR_ON_SCALED=threshold_on_scaled,
         ROUNDED=_ROUNDED[soft_dtype], INTERPRETED=INTERPRETED, BLOCK_SIZE=block, num_warps=4)
     return out
