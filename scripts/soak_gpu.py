@@ -133,6 +133,12 @@ class Soak:
             shown.append({"message": message[:500],
                           "body": None if body is None else {k: v for k, v in body.items() if k != "prompt"}})
 
+    def counted(self) -> dict:
+        """What the traffic came to, as the report (whole or interrupted) holds it."""
+        return {"requests": dict(self.requests), "completion_tokens": self.tokens, "drafts": self.drafts,
+                "errors": dict(self.errors), "error_examples": self.examples, "expected_429": self.expected_429,
+                "burst": self.burst, "samples": self.samples}
+
     def overlapped_burst(self, epoch: int) -> bool:
         """Whether the burst ran at any time since `epoch` was read."""
         return self.burst_active or epoch != self.burst_epoch
@@ -325,11 +331,9 @@ async def soak_family(opts: argparse.Namespace, family: str, server: ServerProce
     if s.burst is None and not any(k.startswith("burst") for k in s.errors):
         s.error("burst: did not run", "the soak ended before it")
     return {"family": family, "seconds": elapsed, "soak_s": seconds, "cold_start": cold, "clients": opts.clients,
-            "requests": dict(s.requests), "completion_tokens": s.tokens, "drafts": s.drafts,
-            "errors": dict(s.errors), "error_examples": s.examples, "expected_429": s.expected_429,
-            "burst": s.burst, "gpu_memory": gpu, "resident_memory": rss, "leaks": leaks,
+            **s.counted(), "gpu_memory": gpu, "resident_memory": rss, "leaks": leaks,
             "health_at_end": idle, "slots_free_at_end": slots_free,
-            "metrics_before": metrics_before, "metrics_after": metrics_after, "samples": s.samples,
+            "metrics_before": metrics_before, "metrics_after": metrics_after,
             "passed": not s.errors and not leaks and slots_free}
 
 
@@ -359,9 +363,7 @@ def interrupted(family: str, progress: dict) -> dict:
     s: Soak | None = progress.get("soak")
     out = {"family": family, "interrupted": True, "cold_start": progress.get("cold_start")}
     if s is not None:
-        out |= {"requests": dict(s.requests), "completion_tokens": s.tokens, "drafts": s.drafts,
-                "errors": dict(s.errors), "error_examples": s.examples, "expected_429": s.expected_429,
-                "burst": s.burst, "samples": s.samples,
+        out |= {**s.counted(),
                 # the trends so far, leaving out what the whole soak would
                 "gpu_memory": memory_trend(s.samples, "gpu_mib", settle_s(progress["seconds"])),
                 "resident_memory": memory_trend(s.samples, "rss_mib", settle_s(progress["seconds"]))}
