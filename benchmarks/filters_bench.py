@@ -9,6 +9,8 @@ Nemotron blocks [R, 32, 131072] in fp32 and bf16 (decided on x / T). Each shape 
     k40p0.9  every row top_k 40 and top_p 0.9
     p0.9     every row top_p 0.9 alone (the whole vocabulary carries mass)
     none     no row asks a filter
+    traffic  each row's temperature, top_k and top_p drawn from the built-in mix of benchmarks/traffic.py
+             (benchmarks/request_mix.py, seed 0): the asks a served step of the mixed phase carries
 
 The kernel this one replaced (16 comparisons an entry and pass, candidates along the tile's last axis)
 is model/kernels/filters.py at commit bfc66c6; the README's table has both, from one run of this script
@@ -34,10 +36,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import triton
 
 import model.kernels.filters as F
+from benchmarks.request_mix import load_mix
 from model.kernels.filters import triton_threshold
 from model.kernels.launch import INTERPRETED
 from model.parallel.group import TPGroup
@@ -58,7 +62,7 @@ TINY = {   # --tiny: the same kinds, small enough for the interpreter
     "dg_tiny": ((2, 4, 5000), torch.bfloat16, DG),
     "nem_tiny_fp32": ((3, 2, 3000), torch.float32, NEMOTRON),
 }
-ASKS = ("mixed", "k40p0.9", "p0.9", "none")
+ASKS = ("mixed", "k40p0.9", "p0.9", "none", "traffic")
 # --sweep: (SPLIT, COUNT_BLOCK, MASS_BLOCK, NUM_WARPS, HISTOGRAM) of the new kernel
 SWEEP = [(16384, 2048, 512, 4, True), (16384, 4096, 512, 8, True), (16384, 1024, 256, 4, True),
          (8192, 2048, 512, 4, True), (32768, 2048, 512, 4, True), (16384, 2048, 512, 4, False),
@@ -73,6 +77,11 @@ def asks(name: str, R: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.T
         temp = torch.tensor([1.0, 0.7, 0.0])[r // 3 % 3]
         top_k = torch.tensor([40, 0, 499, 1, 17, 5, 100])[r % 7]
         top_p = torch.tensor([0.9, 1.0, 0.5])[r % 3]
+    elif name == "traffic":
+        draws = [d.options for d in load_mix("diffusion-gemma").draw(R, np.random.default_rng(0))]
+        temp = torch.tensor([float(d.get("temperature", 1.0)) for d in draws])
+        top_k = torch.tensor([int(d.get("top_k", 0)) for d in draws])
+        top_p = torch.tensor([float(d.get("top_p", 1.0)) for d in draws])
     elif name in ("k40p0.9", "p0.9", "none"):
         temp = torch.ones(R)
         top_k = torch.full((R,), 40 if name == "k40p0.9" else 0)

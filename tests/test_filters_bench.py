@@ -6,7 +6,7 @@ from tests.interpreter import ROOT, run_interpreted
 
 BENCH = r"""
 from benchmarks.filters_bench import main
-code = main(["--tiny", "--shapes", "nem_tiny_fp32", "--asks", "mixed", "--iters", "1",
+code = main(["--tiny", "--shapes", "nem_tiny_fp32", "--asks", "mixed", "traffic", "--iters", "1",
              "--against", {against!r}, "--json", {json!r}])
 print("bench exit", code)
 """
@@ -17,5 +17,7 @@ def test_tiny_bench_times_and_checks_a_module_against_in_the_interpreter(tmp_pat
     printed = run_interpreted(BENCH.format(against=str(ROOT / "model/kernels/filters.py"),
                                            json=str(out)), "bench exit 0", timeout=300)
     assert "against_ms" in printed
-    (row,) = json.loads(out.read_text())["cases"]
-    assert row["exact"] and row["against_exact"] and row["against_ms"] > 0 and row["speedup"] > 0
+    rows = json.loads(out.read_text())["cases"]
+    assert [row["ask"] for row in rows] == ["mixed", "traffic"]
+    for row in rows:
+        assert row["exact"] and row["against_exact"] and row["against_ms"] > 0 and row["speedup"] > 0
