@@ -323,6 +323,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _ms_per_pass(phase: dict | None, passes: float | None) -> float | None:
+    wall_s = (phase or {}).get("wall_s")
+    return _ratio(wall_s * 1e3, passes) if wall_s is not None else None
+
+
 def derive(result: dict, levels: list[int]) -> dict:
     """Issue 23's rows from the phases measured so far (None where a phase is missing)."""
     phases, seed = result["phases"], result["seed"]
@@ -335,6 +340,7 @@ def derive(result: dict, levels: list[int]) -> dict:
     passes = {name: _delta(phases.get(name), "dllm_passes_total") for name in ("homogeneous", "matched", "mixed")}
     forwards = {name: _delta(phases.get(name), "dllm_forwards_total") for name in passes}
     seed_tok_s = {str(c): _tok_s(seed.get(str(c))) for c in levels}
+    seed_passes = {str(c): _delta(seed.get(str(c)), "dllm_passes_total") for c in levels}
     failed = sum(rec["summary"]["failed"] if rec["summary"] else rec["requests"]
                  for rec in [*phases.values(), *seed.values()])
     return {
@@ -350,6 +356,9 @@ def derive(result: dict, levels: list[int]) -> dict:
         # the same tokens in each phase: how many weight reads (passes) each took, and the rows a pass carried
         "passes": passes,
         "rows_per_pass": {name: _ratio(forwards[name], passes[name]) for name in passes},
+        # the phase's wall time over its passes: with every slot busy, about a step's time (what the
+        # options cost a step is mixed's minus homogeneous's, at their rows a pass)
+        "ms_per_pass": {name: _ms_per_pass(phases.get(name), passes[name]) for name in passes},
         "mixed_over_homogeneous_passes": _ratio(passes["mixed"], passes["homogeneous"]),
         "graph_captures_after_ready": None if last is None else last["dllm_graph_captures_total"],
         "eager_steps_while_serving": None if last is None else last["dllm_eager_steps_total"],
@@ -363,6 +372,9 @@ def derive(result: dict, levels: list[int]) -> dict:
         "failed_requests": failed,
         "seed_tok_s": seed_tok_s,
         "seed_over_concurrency_1": {c: _ratio(v, seed_tok_s.get("1")) for c, v in seed_tok_s.items()},
+        "seed_ms_per_pass": {c: _ms_per_pass(seed.get(c), n) for c, n in seed_passes.items()},
+        "seed_rows_per_pass": {c: _ratio(_delta(seed.get(c), "dllm_forwards_total"), n)
+                               for c, n in seed_passes.items()},
     }
 
 
@@ -380,7 +392,8 @@ def rows(result: dict) -> list[tuple[str, float | None, str]]:
                 ("  matched / homogeneous (the mix's modes, policies)", r.get("matched_over_homogeneous"), "")]
     for name, n in (r.get("passes") or {}).items():
         if n is not None:
-            out.append((f"  {name}: forward passes ({_fmt(r['rows_per_pass'][name])} rows a pass)", n, ""))
+            out.append((f"  {name}: passes ({_fmt(r['rows_per_pass'][name])} rows, "
+                        f"{_fmt(r['ms_per_pass'][name])} ms each)", n, ""))
     out += [("p99 / median request latency under the mix", r.get("mixed_p99_over_median"), "<= 2"),
             ("graphs captured after ready", r.get("graph_captures_after_ready"), "0"),
             ("eager steps while serving", r.get("eager_steps_while_serving"), ""),
@@ -390,6 +403,9 @@ def rows(result: dict) -> list[tuple[str, float | None, str]]:
         out.append((f"seed workload tok/s at concurrency {c}", tok_s, ""))
         if c != "1":
             out.append((f"seed workload tok/s at concurrency {c} / at 1", r["seed_over_concurrency_1"][c], ""))
+        ms = (r.get("seed_ms_per_pass") or {}).get(c)
+        if ms is not None:
+            out.append((f"  ms a pass ({_fmt(r['seed_rows_per_pass'][c])} rows a pass)", ms, ""))
     return out
 
 

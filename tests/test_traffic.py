@@ -79,7 +79,11 @@ def test_traffic_measures_a_tiny_server_from_its_cold_start(tiny_nemotron, tmp_p
     for name in ("homogeneous", "matched", "mixed"):
         # (a pass whose rows are all done, idling to its command's end, counts no row: below 1 is possible)
         assert rows["passes"][name] > 0 and 0 < rows["rows_per_pass"][name] <= 2, (name, rows)
-        assert f"{name}: forward passes" in table
+        assert rows["ms_per_pass"][name] == pytest.approx(phases[name]["wall_s"] * 1e3 / rows["passes"][name])
+        assert f"{name}: passes (" in table and "ms each)" in table
+    assert rows["seed_ms_per_pass"]["2"] == pytest.approx(
+        result["seed"]["2"]["wall_s"] * 1e3 / result["seed"]["2"]["metrics_delta"]["dllm_passes_total"])
+    assert 0 < rows["seed_rows_per_pass"]["2"] <= 2 and "ms a pass (" in table
     assert rows["mixed_over_homogeneous_passes"] == rows["passes"]["mixed"] / rows["passes"]["homogeneous"]
 
     saved = json.loads(opts.out.read_text())
