@@ -17,8 +17,9 @@ is model/kernels/filters.py at commit bfc66c6; the README's table has both, from
 when it still carried a copy of it. --against FILE times another version of the kernel's module (a
 filters.py anywhere, e.g. an older commit's, loaded under its own name) beside it in the same run, on
 the same inputs, and checks it against torch too (columns against_ms and speedup = against_ms / ms).
---sweep times a few tile / split settings of the kernel. --tiny runs small shapes, also on the CPU under
-TRITON_INTERPRET=1 (a smoke test of this script). Prints a table; writes JSON to --json (default
+--sweep times a few tile / split settings of the kernel. --profile lists each case's kernels in
+launch order with their device times (torch.profiler) and the GPU's idle time between them. --tiny
+runs small shapes, also on the CPU under TRITON_INTERPRET=1 (a smoke test of this script). Prints a table; writes JSON to --json (default
 $OUT/filters_bench.json when $OUT is set).
 
     PYTHONPATH=. python benchmarks/filters_bench.py [--sweep]
@@ -117,6 +118,39 @@ def time_ms(fn, iters: int, device) -> float:
     return statistics.median(times)
 
 
+def launch_profile(fn, runs: int = 3) -> dict:
+    """The CUDA kernels of one fn() in launch order, each with its device time (the median of runs, us),
+    and the call's busy and span time: span - busy is the GPU idling between launches (eager launches:
+    a CUDA graph's replay has none of it). The thresholds launch, in order: the count passes (4 for bf16
+    logits, 8 for fp32), the top-k logit, the log-normaliser, the mass passes, the finish; plus
+    whatever torch ops the launcher runs."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    seen = []
+    for _ in range(runs):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                         key=lambda e: e.time_range.start)
+        seen.append([(e.name, e.time_range.start, e.time_range.end) for e in kernels])
+    names = [name for name, _, _ in seen[0]]
+    if any([name for name, _, _ in run] != names for run in seen):
+        raise RuntimeError("the kernels launched differ between runs: " + str([len(run) for run in seen]))
+    us = [statistics.median(run[i][2] - run[i][1] for run in seen) for i in range(len(names))]
+    span = statistics.median(run[-1][2] - run[0][1] for run in seen) if names else 0.0
+    return {"kernels": [{"kernel": name[:80], "us": t} for name, t in zip(names, us)], "busy_us": sum(us),
+            "span_us": span}
+
+
+def show_profile(label: str, prof: dict) -> None:
+    shown = ", ".join(f"{k['kernel'].removeprefix('_').split('(')[0][:24]} {k['us']:.0f}" for k in prof["kernels"])
+    print(f"  {label}: busy {prof['busy_us']:.0f} us of a {prof['span_us']:.0f} us span: {shown}", flush=True)
+
+
 def compare(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
     """(exact by the tests' rule, the largest relative difference of the finite thresholds)."""
     same_inf = torch.equal(torch.isinf(a), torch.isinf(b))
@@ -165,6 +199,10 @@ def run_case(name, ask, shape, dtype, kw, device, opts, against=None) -> dict:
         old = lambda: against.triton_threshold(x, temp, top_k, top_p, 0, TPGroup(), **kw)   # noqa: E731
         row["against_ms"] = time_ms(old, opts.iters, device)
         row["speedup"] = row["against_ms"] / row["new_ms"]
+    if opts.profile and device.type == "cuda":
+        row["profile"] = launch_profile(new)
+        if against is not None:
+            row["against_profile"] = launch_profile(old)
     if opts.check:
         ref = torch_threshold(x, temp, top_k, top_p, 0, TPGroup(), **kw)
         exact, worst = compare(ref, new())
@@ -204,6 +242,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=5, help="timed runs a case (the median is reported)")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the check against torch")
     p.add_argument("--sweep", action="store_true", help="also time the new kernel's SWEEP settings")
+    p.add_argument("--profile", action="store_true",
+                   help="also list each case's kernels in launch order with their device times (CUDA only)")
     p.add_argument("--tiny", action="store_true", help="small shapes (CPU: under TRITON_INTERPRET=1 only)")
     p.add_argument("--against", type=Path, metavar="FILE",
                    help="another filters module (a copy of model/kernels/filters.py) to time beside this one")
@@ -232,6 +272,8 @@ def main(argv=None) -> int:
     else:
         sys.exit("filters_bench needs a CUDA device (or --tiny under TRITON_INTERPRET=1)")
     against = None if opts.against is None else load_against(opts.against)
+    if opts.profile and device.type != "cuda":
+        print("--profile: no CUDA device, so no kernels to list (the interpreter runs none)", flush=True)
     rows = []
     beside = f"{'against_ms':>11}{'speedup':>8}  against exact" if against else ""
     print(f"{'shape':<14}{'dtype':<10}{'ask':<9}{'ms':>9}  exact  max rel diff{beside}", flush=True)
@@ -244,6 +286,9 @@ def main(argv=None) -> int:
                       if against else "")
             print(f"{name:<14}{row['dtype']:<10}{ask:<9}{row['new_ms']:>9.3f}"
                   f"  {str(row.get('exact', '-')):<5}  {row.get('max_rel_diff', float('nan')):.2e}{beside}", flush=True)
+            for label in ("profile", "against_profile"):
+                if label in row:
+                    show_profile(label.replace("_", " "), row[label])
     report = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
                   torch=torch.__version__, triton=triton.__version__,
                   settings=dict(split=F.SPLIT, count_block=F.COUNT_BLOCK, mass_block=F.MASS_BLOCK,
