@@ -19,8 +19,8 @@ filters.py anywhere, e.g. an older commit's, loaded under its own name) beside i
 the same inputs, and checks it against torch too (columns against_ms and speedup = against_ms / ms).
 --sweep times a few tile / split settings of the kernel. --profile lists each case's kernels in
 launch order with their device times (torch.profiler) and the GPU's idle time between them. --tiny
-runs small shapes, also on the CPU under TRITON_INTERPRET=1 (a smoke test of this script). Prints a table; writes JSON to --json (default
-$OUT/filters_bench.json when $OUT is set).
+runs small shapes, also on the CPU under TRITON_INTERPRET=1 (a smoke test of this script). Prints a
+table; writes JSON to --json (default $OUT/filters_bench.json when $OUT is set).
 
     PYTHONPATH=. python benchmarks/filters_bench.py [--sweep]
     git show 583aadc:model/kernels/filters.py > /tmp/filters_old.py   # the kernel before its tile-max cache
