@@ -119,11 +119,11 @@ def time_ms(fn, iters: int, device) -> float:
 
 
 def launch_profile(fn, runs: int = 3) -> dict:
-    """The CUDA kernels of one fn() in launch order, each with its device time (the median of runs, us),
-    and the call's busy and span time: span - busy is the GPU idling between launches (eager launches:
-    a CUDA graph's replay has none of it). The thresholds launch, in order: the count passes (4 for bf16
-    logits, 8 for fp32), the top-k logit, the log-normaliser, the mass passes, the finish; plus
-    whatever torch ops the launcher runs."""
+    """The CUDA kernels of one eager fn() in launch order, each with its device time (the median of runs,
+    us), and the call's busy and span time. span - busy is the GPU idling between the eager launches,
+    the profiler's own overhead included (so an upper bound; a CUDA graph's replay idles far less). The
+    thresholds launch, in order: the count passes (4 for bf16 logits, 8 for fp32), the top-k logit, the
+    log-normaliser, the mass passes, the finish; plus whatever torch ops the launcher runs."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -147,6 +147,7 @@ def launch_profile(fn, runs: int = 3) -> dict:
 
 
 def show_profile(label: str, prof: dict) -> None:
+    """One line of launch_profile's kernels: short names and microseconds, in launch order."""
     shown = ", ".join(f"{k['kernel'].removeprefix('_').split('(')[0][:24]} {k['us']:.0f}" for k in prof["kernels"])
     print(f"  {label}: busy {prof['busy_us']:.0f} us of a {prof['span_us']:.0f} us span: {shown}", flush=True)
 

@@ -324,8 +324,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _ms_per_pass(phase: dict | None, passes: float | None) -> float | None:
-    wall_s = (phase or {}).get("wall_s")
-    return _ratio(wall_s * 1e3, passes) if wall_s is not None else None
+    """The phase's duration (tok/s's own: first request sent to last answered) over its passes."""
+    s = (phase or {}).get("summary")
+    return _ratio(s["duration"] * 1e3, passes) if s and s.get("duration") is not None else None
 
 
 def derive(result: dict, levels: list[int]) -> dict:
@@ -356,7 +357,7 @@ def derive(result: dict, levels: list[int]) -> dict:
         # the same tokens in each phase: how many weight reads (passes) each took, and the rows a pass carried
         "passes": passes,
         "rows_per_pass": {name: _ratio(forwards[name], passes[name]) for name in passes},
-        # the phase's wall time over its passes: with every slot busy, about a step's time (what the
+        # the phase's duration over its passes: with every slot busy, about a step's time (what the
         # options cost a step is mixed's minus homogeneous's, at their rows a pass)
         "ms_per_pass": {name: _ms_per_pass(phases.get(name), passes[name]) for name in passes},
         "mixed_over_homogeneous_passes": _ratio(passes["mixed"], passes["homogeneous"]),
@@ -405,7 +406,7 @@ def rows(result: dict) -> list[tuple[str, float | None, str]]:
             out.append((f"seed workload tok/s at concurrency {c} / at 1", r["seed_over_concurrency_1"][c], ""))
         ms = (r.get("seed_ms_per_pass") or {}).get(c)
         if ms is not None:
-            out.append((f"  ms a pass ({_fmt(r['seed_rows_per_pass'][c])} rows a pass)", ms, ""))
+            out.append((f"seed at concurrency {c}: ms a pass ({_fmt(r['seed_rows_per_pass'][c])} rows)", ms, ""))
     return out
 
 

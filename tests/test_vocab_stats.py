@@ -313,9 +313,9 @@ def test_scores_are_log_probabilities_at_most_0():
 def test_triton_thresholds_at_tp2_equal_tp1_in_the_interpreter(tmp_path, monkeypatch):
     """The filters' passes with tensor parallelism: each rank reads its own slice (and keeps its own tile
     maxima) and the counts and masses are all-reduced between passes over gloo; both ranks find the
-    thresholds torch finds over the whole vocabulary at TP = 1: top-k below and above a rank's tile
-    count, top-p alone, both, neither, survivors on one rank only, fp32 / T and bf16 softcapped, the
-    kernel's tiling and small splits and tiles."""
+    thresholds torch finds over the whole vocabulary at TP = 1: top-k alone, top-p alone, both,
+    neither, survivors on one rank only, fp32 / T and bf16 softcapped, the kernel's tiling and small
+    splits and tiles (tests/tp_harness.py filter_case)."""
     pytest.importorskip("triton")
     from model.sampling.filters import torch_threshold
     from tests.tp_harness import filter_case, spawn_tp, triton_filters_worker

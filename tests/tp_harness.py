@@ -350,11 +350,10 @@ def run_tp_worker(world_size: int, workdir: Path, model_dir: Path | None, timeou
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
-
 def filter_case(V: int = 3000, seed: int = 3) -> dict:
-    """Logits and asks for the filters' passes at TP = N against TP = 1: rows asking top-k only (k below
-    and above a rank's tile count), top-p only, both and neither; survivors clustered in one rank's
-    slice in some rows, spread over both in others; fp32 divided by T and bf16 softcapped."""
+    """Logits and asks for the filters' passes at TP = N against TP = 1: rows asking top-k only (k = 5),
+    top-p only, both (k = 3 and k = 40) and neither; survivors clustered in one rank's slice in some
+    rows, spread over both in others; fp32 divided by T and bf16 softcapped."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(5, 3, V, generator=gen) * 3
     x[0, 1, V // 3:V // 3 + 10] = 14.0 + torch.randn(10, generator=gen)   # rank 0's slice only
