@@ -310,12 +310,31 @@ def test_scores_are_log_probabilities_at_most_0():
     assert (sampler.scores(x, st, st.x_sample, rows, 3, rows).logprob > 0).any()
 
 
+def test_top_k_bound_is_the_kth_largest_tile_maximum():
+    """L, the bound the top-k passes skip tiles by: the k-th largest of a row position's tile maxima over
+    all its splits, ties counted, -inf for rows asking no top-k or a k past the tiles; never above the
+    k-th largest logit of the row (a tile's maximum is an entry)."""
+    from model.kernels.filters import top_k_bound
+
+    x = torch.randn(6, 2, 4, 8)   # [R * P: 3 rows of 2 positions, splits, tiles, entries]
+    x[1, 0, 0, 3] = x[1, 0, 1, 5] = x[1].max() + 1   # a tie at the top, in two tiles
+    tile_max = x.amax(-1)
+    top_k = torch.tensor([3, 0, 9])          # k of row 0 .. 2, each over P = 2 positions
+    bound = top_k_bound(tile_max, top_k, 2)
+    ranked = tile_max.flatten(1).sort(dim=1, descending=True).values
+    assert torch.equal(bound[:2], ranked[:2, 2]) and torch.isinf(bound[2:]).all() and (bound[2:] < 0).all()
+    tie = top_k_bound(tile_max, torch.tensor([2, 0, 0]), 2)
+    assert tie[1] == x[1].max()
+    entries = x.reshape(6, 64)
+    assert (bound[:2] <= entries[:2].topk(3).values[:, 2]).all()
+
+
 def test_triton_thresholds_at_tp2_equal_tp1_in_the_interpreter(tmp_path, monkeypatch):
-    """The filters' passes with tensor parallelism: each rank reads its own slice (and keeps its own tile
-    maxima) and the counts and masses are all-reduced between passes over gloo; both ranks find the
-    thresholds torch finds over the whole vocabulary at TP = 1: top-k alone, top-p alone, both,
-    neither, survivors on one rank only, fp32 / T and bf16 softcapped, the kernel's tiling and small
-    splits and tiles (tests/tp_harness.py filter_case)."""
+    """The filters' passes with tensor parallelism: each rank reads its own slice (its own tile maxima and
+    top-k bound) and the counts and masses are all-reduced between passes over gloo; both ranks find the
+    thresholds torch finds over the whole vocabulary at TP = 1: top-k alone (k = 5: past a rank's 3
+    tiles at the kernel's tiling, within its 12 at the small one), top-p alone, both, neither,
+    survivors on one rank only, fp32 / T and bf16 softcapped (tests/tp_harness.py filter_case)."""
     pytest.importorskip("triton")
     from model.sampling.filters import torch_threshold
     from tests.tp_harness import filter_case, spawn_tp, triton_filters_worker

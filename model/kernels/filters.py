@@ -32,11 +32,19 @@ Why the passes are cheap (each should cost little more than reading the split on
     per-entry work of the entries it shares).
   - passes skip a tile from its maximum logit alone: an entry counts in no candidate below the pass's
     prefix, and no entry of a tile survives top-k when its largest value does not (v is non-decreasing).
-  - and they know that maximum before reading the tile: a row's first pass over the logits (count pass
-    0, or the log-normaliser where the row asks no top-k) keeps each MASS_BLOCK tile's largest logit
-    (a count tile is whole mass tiles, the maximum of theirs), and later passes read a split's maxima
-    in one load and a tile only where it reaches: once the prefix has narrowed, a skipped tile costs
-    neither its read nor the latency of a load (per rank: each keeps the maxima of its own slice).
+  - and they know that maximum before reading the tile: each CACHE_TILE tile's largest logit is kept by
+    the row's first read of the logits (a read of maxima alone for rows asking top-k, the log-normaliser
+    pass for rows asking top-p alone), and later passes read a split's maxima in one load and a tile only
+    where it reaches (a count pass, of a count tile that reaches, only the cached tiles that do: masked
+    lanes load nothing), so a skipped tile costs neither its read nor the latency of a load (per rank:
+    each keeps the maxima of its own slice).
+  - top-k passes skip from the start, not only once the prefix has narrowed: the k-th largest of a
+    row's tile maxima, L, is a lower bound of its k-th largest logit (the k largest maxima are k
+    entries), so tiles whose maximum is below L hold no survivor. Skipping them undercounts only
+    candidates at or below L, which reach k anyway (every entry >= L is counted), so every pass picks
+    the digit it would have picked; with tensor parallelism each rank's own L bounds the global k-th
+    the same way. For k = 40 this leaves about 40 of a row's 512 tiles (262,144 entries) to read after
+    its first read.
 """
 from __future__ import annotations
 
@@ -52,6 +60,7 @@ from model.sampling.filters import CANDIDATES
 SPLIT = 16384        # vocabulary entries per program
 COUNT_BLOCK = 2048   # a count pass's tile: one histogram per tile
 MASS_BLOCK = 512     # a mass pass's tile: its [16, MASS_BLOCK] fp32 totals stay in registers
+CACHE_TILE = 512     # entries a cached maximum covers (at most MASS_BLOCK; 256 was slower on an H100)
 NUM_WARPS = 4
 HISTOGRAM = True     # count passes by tl.histogram (False: by 16 comparisons an entry; the same totals)
 # the pass kinds (constexprs: kernels read them)
@@ -114,24 +123,56 @@ def _chosen(totals_ptr, n, splits, target, NC: tl.constexpr, SPLITS_P2: tl.const
     return tl.maximum(tl.sum(ok.to(tl.int32), 0) - 1, 0), tl.sum(tl.where(d == 0, ok.to(tl.int32), 0), 0) > 0
 
 
+@triton.jit
+def _reaches(top_x, low, lowest, thr, t_eff, softcap, inv_softcap, MODE: tl.constexpr, BITS: tl.constexpr,
+             HAS_SOFTCAP: tl.constexpr, ON_SCALED: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Whether a tile whose largest logit is top_x (a scalar or a vector of tiles) may hold an entry the
+    pass counts: at or above the prefix (pass 0's prefix is 0: every tile), not below the top-k bound
+    L (COUNT: -inf unless known), and surviving top-k (LOG_NORM, MASS: thr = v(-inf) where no top-k)."""
+    ok = (_logit_keys(top_x, BITS) >= low) & (top_x >= lowest)
+    if MODE != COUNT:
+        ok = ok & (decided_value(top_x, t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED) >= thr)
+    return ok
+
+
+@triton.jit
+def _tile_max_kernel(x_ptr, top_k_ptr, tile_max_ptr, P, V, splits, SPLIT_SIZE: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr):
+    """tile_max[n, split, t]: the largest logit of the split's t-th TILE-entry tile (-inf past the slice),
+    for the rows asking top-k (a read of the logits and nothing else: their first)."""
+    n = tl.program_id(0)
+    split = tl.program_id(1)
+    if tl.load(top_k_ptr + n // P) > 0:
+        SUB: tl.constexpr = BLOCK_SIZE // TILE
+        row_ptr = x_ptr + n.to(tl.int64) * V
+        cache = tile_max_ptr + (n.to(tl.int64) * splits + split) * TILES
+        sub = tl.arange(0, SUB)
+        for off in range(0, SPLIT_SIZE, BLOCK_SIZE):
+            cols = split * SPLIT_SIZE + off + tl.arange(0, BLOCK_SIZE)
+            x = tl.load(row_ptr + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+            first = off // TILE
+            tl.store(cache + first + sub, tl.max(tl.reshape(x, (SUB, TILE)), 1), mask=first + sub < TILES)
+
+
 # the pass and its digit's shift are runtime values (one compiled kernel per mode serves every pass: a
 # cold start compiles 3 filter kernels a flag set, not 9 for bf16 logits and 17 for fp32), unspecialized
 # (triton would otherwise compile apart the values equal to 1 or divisible by 16)
 @triton.jit(do_not_specialize=["PASS", "SHIFT"])
 def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_ptr, out_ptr, xk_ptr, norm_ptr,
-                        tile_max_ptr, P, V, splits, norm_splits, softcap, inv_softcap, PASS, SHIFT,
+                        tile_max_ptr, bound_ptr, P, V, splits, norm_splits, softcap, inv_softcap, PASS, SHIFT,
                         MODE: tl.constexpr, BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         ON_SCALED: tl.constexpr, INTERPRETED: tl.constexpr, NC: tl.constexpr,
                         SPLITS_P2: tl.constexpr, NORM_SPLITS_P2: tl.constexpr, SPLIT_SIZE: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
                         TILES_P2: tl.constexpr, HISTOGRAM: tl.constexpr, BINS: tl.constexpr):
-    """COUNT pass PASS: out[n, split, d] = entries with key >= prefix + d << shift; LOG_NORM: out[n, split,
-    0:2] = (max, sum exp(v - max)) of the top-k survivors' values (and xk[n] = the top-k threshold's
-    logit); MASS pass PASS: out[n, split, d] = their probability mass at keys >= prefix + d << shift.
+    """COUNT pass PASS: out[n, split, d] = entries with key >= prefix + d << shift (undercounted only at
+    candidates <= bound[n], the top-k bound L); LOG_NORM: out[n, split, 0:2] = (max, sum exp(v - max))
+    of the top-k survivors' values (and xk[n] = the top-k threshold's logit); MASS pass PASS: out[n,
+    split, d] = their probability mass at keys >= prefix + d << shift.
     prev: the previous pass's totals (PASS > 0); prefix[PASS - 1] the prefix they were counted at.
     tile_max[n, split, t]: the largest logit of the split's t-th TILE-entry tile (-inf past the slice),
-    written by the row's first pass over it (COUNT pass 0, or LOG_NORM where the row asks no top-k) and
-    read by every later one; BLOCK_SIZE is a multiple of TILE."""
+    written by _tile_max_kernel for rows asking top-k and by LOG_NORM for the others, read by every
+    other pass; BLOCK_SIZE is a multiple of TILE."""
     n = tl.program_id(0)
     split = tl.program_id(1)
     row = n // P
@@ -161,7 +202,10 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
             tl.store(prefix_ptr + PASS * tl.num_programs(0) + n, prefix)
         low = prefix.to(tl.uint32)
         thr = -float("inf")
-        if MODE != COUNT:
+        lowest = -float("inf")
+        if MODE == COUNT:
+            lowest = tl.load(bound_ptr + n)
+        else:
             thr = decided_value(tl.load(xk_ptr + n), t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
         if MODE == MASS:
             s = tl.arange(0, NORM_SPLITS_P2)
@@ -173,12 +217,8 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
             norm = safe + tl.log(tl.sum(tl.where(zs > 0, zs * tl.exp(ms - safe), 0.0), 0))
         row_ptr = x_ptr + n.to(tl.int64) * V
         start = split * SPLIT_SIZE
-        # the first pass over a row reads every tile and keeps their maxima; later ones read a tile only
-        # where its cached maximum reaches, so a skipped tile costs no load (MASS: count or LOG_NORM filled)
-        if MODE == COUNT:
-            fill = PASS == 0
-        elif MODE == LOG_NORM:
-            fill = k <= 0   # no count pass ran for the row
+        if MODE == LOG_NORM:
+            fill = k <= 0   # the row's first read (no _tile_max_kernel for it): every tile, keeping maxima
         else:
             fill = False
         SUB: tl.constexpr = BLOCK_SIZE // TILE
@@ -201,13 +241,16 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
             else:
                 x = tl.full((BLOCK_SIZE,), -float("inf"), tl.float32)   # read below, where the tile reaches
                 top_x = tl.max(tl.where((tiles >= first) & (tiles < first + SUB), cached, -float("inf")), 0)
-            # the tile holds an entry at or above the prefix (pass 0's prefix is 0: every tile)
-            reaches = _logit_keys(top_x, BITS) >= low
-            if MODE != COUNT:   # and one that survives top-k (thr = v(-inf) where no top-k: always)
-                top_v = decided_value(top_x, t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
-                reaches = reaches & (top_v >= thr)
-            if reaches:
-                if not fill:
+            if _reaches(top_x, low, lowest, thr, t_eff, softcap, inv_softcap, MODE, BITS, HAS_SOFTCAP, ON_SCALED,
+                        INTERPRETED):
+                if MODE == COUNT:   # of a count tile that reaches, the cached tiles that do: the others' lanes load nothing
+                    sub_top = tl.load(cache + first + sub, mask=first + sub < TILES, other=-float("inf"))
+                    sub_ok = _reaches(sub_top, low, lowest, thr, t_eff, softcap, inv_softcap, MODE, BITS,
+                                      HAS_SOFTCAP, ON_SCALED, INTERPRETED).to(tl.int32)
+                    lane_ok = tl.reshape(tl.broadcast_to(sub_ok[:, None], (SUB, TILE)), (BLOCK_SIZE,))
+                    inside = inside & (lane_ok != 0)
+                    x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
+                elif not fill:   # a mass tile is one cached tile (CACHE_TILE = MASS_BLOCK)
                     x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
                 if MODE == LOG_NORM:
                     v = decided_value(x, t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
@@ -280,6 +323,16 @@ def softcap_operands(softcap: float | None) -> tuple[float, float]:
     return cap, 1.0 / cap
 
 
+def top_k_bound(tile_max: torch.Tensor, top_k: torch.Tensor, P: int) -> torch.Tensor:
+    """[R * P]: L, the k-th largest of each row position's tile maxima [R * P, splits, tiles] (its own
+    rank's), a lower bound of its k-th largest logit; -inf where the row asks no top-k or k exceeds its
+    tiles. Maxima of rows asking no top-k were never written: whatever they hold is not read."""
+    ranked = tile_max.flatten(1).sort(dim=1, descending=True).values
+    k = top_k.repeat_interleave(P).view(-1, 1)
+    kth = ranked.gather(1, (k - 1).clamp(0, ranked.shape[1] - 1)).squeeze(1)
+    return torch.where((k.squeeze(1) > 0) & (k.squeeze(1) <= ranked.shape[1]), kth, -torch.inf)
+
+
 def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                      vocab_start: int, tp: TPGroup, *, softcap: float | None = None,
                      on_scaled: bool = True) -> torch.Tensor:
@@ -303,17 +356,22 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     xk = torch.empty(RP, device=dev)
     width = min(SPLIT, V)
     count_block, mass_block = (min(b, triton.next_power_of_2(width)) for b in (COUNT_BLOCK, MASS_BLOCK))
-    # a count tile is whole mass tiles (the maximum of their cached maxima is its own), and no tile
+    tile = min(CACHE_TILE, mass_block)
+    # a count or mass tile is whole cached tiles (the maximum of their maxima is its own), and no tile
     # straddles two splits (a split's maxima cover its tiles alone)
-    assert count_block % mass_block == 0 and (splits == 1 or width % count_block == 0), (SPLIT, COUNT_BLOCK, MASS_BLOCK)
-    tiles = triton.cdiv(width, mass_block)
-    tile_max = torch.empty(RP, splits, tiles, device=dev)   # each row's first pass fills what later ones read
+    assert count_block % tile == 0 and mass_block % tile == 0 and (splits == 1 or width % count_block == 0), (
+        SPLIT, COUNT_BLOCK, MASS_BLOCK, CACHE_TILE)
+    tiles = triton.cdiv(width, tile)
+    tile_max = torch.empty(RP, splits, tiles, device=dev)   # each row's first read fills what later ones read
+    _tile_max_kernel[(RP, splits)](x, top_k, tile_max, P, V, splits, SPLIT_SIZE=width, BLOCK_SIZE=count_block,
+                                   TILE=tile, TILES=tiles, num_warps=NUM_WARPS)
+    bound = top_k_bound(tile_max, top_k, P)
 
     def launch(mode, i, prev, prefix, out, norm_in, norm_splits, block):
         _filter_pass_kernel[(RP, splits)](
-            x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, tile_max, P, V, splits, norm_splits, cap, inv_cap, i,
-            bits - 4 * (i + 1), MODE=mode.value, NORM_SPLITS_P2=triton.next_power_of_2(norm_splits), SPLIT_SIZE=width,
-            BLOCK_SIZE=block, TILE=mass_block, TILES=tiles, TILES_P2=triton.next_power_of_2(tiles),
+            x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, tile_max, bound, P, V, splits, norm_splits, cap,
+            inv_cap, i, bits - 4 * (i + 1), MODE=mode.value, NORM_SPLITS_P2=triton.next_power_of_2(norm_splits),
+            SPLIT_SIZE=width, BLOCK_SIZE=block, TILE=tile, TILES=tiles, TILES_P2=triton.next_power_of_2(tiles),
             HISTOGRAM=HISTOGRAM, BINS=BINS, num_warps=NUM_WARPS, **flags)
 
     for i in range(passes):
