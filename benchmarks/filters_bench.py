@@ -17,10 +17,12 @@ is model/kernels/filters.py at commit bfc66c6; the README's table has both, from
 when it still carried a copy of it. --against FILE times another version of the kernel's module (a
 filters.py anywhere, e.g. an older commit's, loaded under its own name) beside it in the same run, on
 the same inputs, and checks it against torch too (columns against_ms and speedup = against_ms / ms).
---sweep times a few tile / split settings of the kernel. --profile lists each case's kernels in
-launch order with their device times (torch.profiler) and the GPU's idle time between them. --tiny
-runs small shapes, also on the CPU under TRITON_INTERPRET=1 (a smoke test of this script). Prints a
-table; writes JSON to --json (default $OUT/filters_bench.json when $OUT is set).
+--sweep times the kernel under each of SWEEP's settings of its module constants (tile and split sizes, the
+count passes' sub-tile masks) on SWEEP_CASES (with --tiny: the --shapes given, at the first of --asks),
+each checked against torch. --profile lists each case's kernels in launch order with their device times
+(torch.profiler) and the GPU's idle time between them. --tiny runs small shapes, also on the CPU under
+TRITON_INTERPRET=1 (a smoke test of this script). Prints a table; writes JSON to --json (default
+$OUT/filters_bench.json when $OUT is set).
 
     PYTHONPATH=. python benchmarks/filters_bench.py [--sweep]
     git show 583aadc:model/kernels/filters.py > /tmp/filters_old.py   # the kernel before its tile-max cache
@@ -62,13 +64,16 @@ SHAPES = {   # name: (shape, dtype, how filters are decided)
 TINY = {   # --tiny: the same kinds, small enough for the interpreter
     "dg_tiny": ((2, 4, 5000), torch.bfloat16, DG),
     "nem_tiny_fp32": ((3, 2, 3000), torch.float32, NEMOTRON),
+    "dg_tiny_rows": ((8, 1, 12288), torch.bfloat16, DG),   # 8 rows of the traffic ask, k below the tiles
 }
 ASKS = ("mixed", "k40p0.9", "p0.9", "none", "traffic")
-# --sweep: (SPLIT, COUNT_BLOCK, MASS_BLOCK, NUM_WARPS, HISTOGRAM) of the new kernel
-SWEEP = [(16384, 2048, 512, 4, True), (16384, 4096, 512, 8, True), (16384, 1024, 256, 4, True),
-         (8192, 2048, 512, 4, True), (32768, 2048, 512, 4, True), (16384, 2048, 512, 4, False),
-         (16384, 2048, 1024, 8, True)]
-SWEEP_CASES = [("dg8", "mixed"), ("dg8", "p0.9"), ("nem16_fp32", "mixed")]
+# --sweep: settings of the kernel's module constants, each on top of its defaults (the first: none)
+SETTINGS = ("SPLIT", "COUNT_BLOCK", "MASS_BLOCK", "CACHE_TILE", "NUM_WARPS", "HISTOGRAM", "SUB_TILE_MASKS")
+SWEEP = [{}, {"COUNT_BLOCK": 512}, {"COUNT_BLOCK": 1024}, {"SUB_TILE_MASKS": False},
+         {"COUNT_BLOCK": 512, "SUB_TILE_MASKS": False}, {"CACHE_TILE": 256}, {"COUNT_BLOCK": 1024, "MASS_BLOCK": 256},
+         {"NUM_WARPS": 8, "COUNT_BLOCK": 4096}]
+SWEEP_CASES = [("dg8", "traffic"), ("dg8", "mixed"), ("dg8", "p0.9"), ("dg1", "traffic"), ("nem16_bf16", "traffic"),
+               ("nem16_fp32", "traffic")]
 
 
 def asks(name: str, R: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -213,18 +218,23 @@ def run_case(name, ask, shape, dtype, kw, device, opts, against=None) -> dict:
     return row
 
 
+def settings() -> dict:
+    return {name.lower(): getattr(F, name) for name in SETTINGS}
+
+
 def sweep(table, device, opts) -> list[dict]:
-    rows, saved = [], (F.SPLIT, F.COUNT_BLOCK, F.MASS_BLOCK, F.NUM_WARPS, F.HISTOGRAM)
+    rows, saved = [], {name: getattr(F, name) for name in SETTINGS}
     try:
         for setting in SWEEP:
-            F.SPLIT, F.COUNT_BLOCK, F.MASS_BLOCK, F.NUM_WARPS, F.HISTOGRAM = setting
-            for name, ask in SWEEP_CASES if table is SHAPES else [(name, "mixed") for name in table]:
+            for name, value in (saved | setting).items():
+                setattr(F, name, value)
+            cases = SWEEP_CASES if table is SHAPES else [(name, opts.asks[0]) for name in opts.shapes or table]
+            for name, ask in cases:
                 shape, dtype, kw = table[name]
                 x = logits(shape, dtype, device)
                 temp, top_k, top_p = asks(ask, shape[0], device)
                 ms = time_ms(lambda: triton_threshold(x, temp, top_k, top_p, 0, TPGroup(), **kw), opts.iters, device)
-                row = dict(split=setting[0], count_block=setting[1], mass_block=setting[2], num_warps=setting[3],
-                           histogram=setting[4], shape=name, ask=ask, new_ms=ms)
+                row = settings() | dict(shape=name, ask=ask, new_ms=ms)
                 if opts.check:
                     ref = torch_threshold(x, temp, top_k, top_p, 0, TPGroup(), **kw)
                     row["exact"] = compare(ref, triton_threshold(x, temp, top_k, top_p, 0, TPGroup(), **kw))[0]
@@ -232,7 +242,8 @@ def sweep(table, device, opts) -> list[dict]:
                 shown = (f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
                 print("sweep " + "  ".join(shown), flush=True)
     finally:
-        F.SPLIT, F.COUNT_BLOCK, F.MASS_BLOCK, F.NUM_WARPS, F.HISTOGRAM = saved
+        for name, value in saved.items():
+            setattr(F, name, value)
     return rows
 
 
@@ -292,8 +303,7 @@ def main(argv=None) -> int:
                     show_profile(label.replace("_", " "), row[label])
     report = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
                   torch=torch.__version__, triton=triton.__version__,
-                  settings=dict(split=F.SPLIT, count_block=F.COUNT_BLOCK, mass_block=F.MASS_BLOCK,
-                                num_warps=F.NUM_WARPS, histogram=F.HISTOGRAM), cases=rows,
+                  settings=settings(), cases=rows,
                   against=None if opts.against is None else str(opts.against))
     if device.type == "cuda":
         shape, dtype, kw = table[next(iter(table))]

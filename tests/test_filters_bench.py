@@ -2,6 +2,8 @@
 second copy of the kernel's module beside it and checking both against torch."""
 import json
 
+import pytest
+
 from tests.interpreter import ROOT, run_interpreted
 
 BENCH = r"""
@@ -21,3 +23,21 @@ def test_tiny_bench_times_and_checks_a_module_against_in_the_interpreter(tmp_pat
     assert [row["ask"] for row in rows] == ["mixed", "traffic"]
     for row in rows:
         assert row["exact"] and row["against_exact"] and row["against_ms"] > 0 and row["speedup"] > 0
+
+
+SWEEP = r"""
+from benchmarks.filters_bench import SWEEP, main
+code = main(["--tiny", "--shapes", "dg_tiny_rows", "--asks", "traffic", "--iters", "1", "--sweep", "--json", {json!r}])
+print("sweep exit", code, len(SWEEP))
+"""
+
+
+@pytest.mark.reliability   # ~2 minutes of interpreter on 2 cores
+def test_tiny_sweep_checks_every_setting_against_torch_in_the_interpreter(tmp_path):
+    """Every setting the GPU sweep times (tile sizes, the sub-tile masks on and off) gives torch's
+    thresholds: a setting that is fast but wrong shows as not exact."""
+    out = tmp_path / "sweep.json"
+    printed = run_interpreted(SWEEP.format(json=str(out)), "sweep exit 0", timeout=400)
+    rows = json.loads(out.read_text())["sweep"]
+    assert len(rows) == int(printed.split("sweep exit 0 ")[1].split()[0])
+    assert all(row["exact"] for row in rows) and len({row["count_block"] for row in rows}) >= 3

@@ -61,6 +61,7 @@ SPLIT = 16384        # vocabulary entries per program
 COUNT_BLOCK = 2048   # a count pass's tile: one histogram per tile
 MASS_BLOCK = 512     # a mass pass's tile: its [16, MASS_BLOCK] fp32 totals stay in registers
 CACHE_TILE = 512     # entries a cached maximum covers (at most MASS_BLOCK; 256 was slower on an H100)
+SUB_TILE_MASKS = True   # count passes load, of a count tile, only the cached tiles that reach
 NUM_WARPS = 4
 HISTOGRAM = True     # count passes by tl.histogram (False: by 16 comparisons an entry; the same totals)
 # the pass kinds (constexprs: kernels read them)
@@ -164,7 +165,8 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
                         ON_SCALED: tl.constexpr, INTERPRETED: tl.constexpr, NC: tl.constexpr,
                         SPLITS_P2: tl.constexpr, NORM_SPLITS_P2: tl.constexpr, SPLIT_SIZE: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
-                        TILES_P2: tl.constexpr, HISTOGRAM: tl.constexpr, BINS: tl.constexpr):
+                        TILES_P2: tl.constexpr, HISTOGRAM: tl.constexpr, BINS: tl.constexpr,
+                        SUB_TILE_MASKS: tl.constexpr):
     """COUNT pass PASS: out[n, split, d] = entries with key >= prefix + d << shift (undercounted only at
     candidates <= bound[n], the top-k bound L); LOG_NORM: out[n, split, 0:2] = (max, sum exp(v - max))
     of the top-k survivors' values (and xk[n] = the top-k threshold's logit); MASS pass PASS: out[n,
@@ -243,14 +245,15 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
                 top_x = tl.max(tl.where((tiles >= first) & (tiles < first + SUB), cached, -float("inf")), 0)
             if _reaches(top_x, low, lowest, thr, t_eff, softcap, inv_softcap, MODE, BITS, HAS_SOFTCAP, ON_SCALED,
                         INTERPRETED):
-                if MODE == COUNT:   # of a count tile that reaches, the cached tiles that do: the others' lanes load nothing
-                    sub_top = tl.load(cache + first + sub, mask=first + sub < TILES, other=-float("inf"))
-                    sub_ok = _reaches(sub_top, low, lowest, thr, t_eff, softcap, inv_softcap, MODE, BITS,
-                                      HAS_SOFTCAP, ON_SCALED, INTERPRETED).to(tl.int32)
-                    lane_ok = tl.reshape(tl.broadcast_to(sub_ok[:, None], (SUB, TILE)), (BLOCK_SIZE,))
-                    inside = inside & (lane_ok != 0)
+                if MODE == COUNT and SUB_TILE_MASKS:
+                    # of a count tile that reaches, the cached tiles that do: each lane reads its own tile's
+                    # maximum (the lanes of a tile share one address), and the others' lanes load nothing
+                    lane_top = tl.load(cache + (off + tl.arange(0, BLOCK_SIZE)) // TILE, mask=inside,
+                                       other=-float("inf"))
+                    inside = inside & _reaches(lane_top, low, lowest, thr, t_eff, softcap, inv_softcap, MODE, BITS,
+                                               HAS_SOFTCAP, ON_SCALED, INTERPRETED)
                     x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
-                elif not fill:   # a mass tile is one cached tile (CACHE_TILE = MASS_BLOCK)
+                elif not fill:
                     x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
                 if MODE == LOG_NORM:
                     v = decided_value(x, t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
@@ -372,7 +375,7 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
             x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, tile_max, bound, P, V, splits, norm_splits, cap,
             inv_cap, i, bits - 4 * (i + 1), MODE=mode.value, NORM_SPLITS_P2=triton.next_power_of_2(norm_splits),
             SPLIT_SIZE=width, BLOCK_SIZE=block, TILE=tile, TILES=tiles, TILES_P2=triton.next_power_of_2(tiles),
-            HISTOGRAM=HISTOGRAM, BINS=BINS, num_warps=NUM_WARPS, **flags)
+            HISTOGRAM=HISTOGRAM, BINS=BINS, SUB_TILE_MASKS=SUB_TILE_MASKS, num_warps=NUM_WARPS, **flags)
 
     for i in range(passes):
         launch(COUNT, i, counts[i - 1] if i else counts[0], prefix_k, counts[i], norm, 1, count_block)
