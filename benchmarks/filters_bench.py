@@ -17,9 +17,9 @@ is model/kernels/filters.py at commit bfc66c6; the README's table has both, from
 when it still carried a copy of it. --against FILE times another version of the kernel's module (a
 filters.py anywhere, e.g. an older commit's, loaded under its own name) beside it in the same run, on
 the same inputs, and checks it against torch too (columns against_ms and speedup = against_ms / ms).
---sweep times the kernel under each of SWEEP's settings of its module constants (tile and split sizes, the
-count passes' sub-tile masks) on SWEEP_CASES (with --tiny: the --shapes given, at the first of --asks),
-each checked against torch. --profile lists each case's kernels in launch order with their device times
+--sweep times the kernel under each of SWEEP's settings of its module constants (tile and split sizes,
+warps) on SWEEP_CASES (with --tiny: the --shapes given, at the first of --asks), each checked against
+torch. --profile lists each case's kernels in launch order with their device times
 (torch.profiler) and the GPU's idle time between them. --tiny runs small shapes, also on the CPU under
 TRITON_INTERPRET=1 (a smoke test of this script). Prints a table; writes JSON to --json (default
 $OUT/filters_bench.json when $OUT is set).
@@ -68,10 +68,9 @@ TINY = {   # --tiny: the same kinds, small enough for the interpreter
 }
 ASKS = ("mixed", "k40p0.9", "p0.9", "none", "traffic")
 # --sweep: settings of the kernel's module constants, each on top of its defaults (the first: none)
-SETTINGS = ("SPLIT", "COUNT_BLOCK", "MASS_BLOCK", "CACHE_TILE", "NUM_WARPS", "HISTOGRAM", "SUB_TILE_MASKS")
-SWEEP = [{}, {"COUNT_BLOCK": 512}, {"COUNT_BLOCK": 1024}, {"SUB_TILE_MASKS": False},
-         {"COUNT_BLOCK": 512, "SUB_TILE_MASKS": False}, {"CACHE_TILE": 256}, {"COUNT_BLOCK": 1024, "MASS_BLOCK": 256},
-         {"NUM_WARPS": 8, "COUNT_BLOCK": 4096}]
+SETTINGS = ("SPLIT", "COUNT_BLOCK", "MASS_BLOCK", "CACHE_TILE", "NUM_WARPS", "HISTOGRAM")
+SWEEP = [{}, {"COUNT_BLOCK": 1024}, {"COUNT_BLOCK": 2048}, {"CACHE_TILE": 256}, {"MASS_BLOCK": 256, "CACHE_TILE": 256},
+         {"SPLIT": 8192}, {"SPLIT": 32768}, {"NUM_WARPS": 8, "COUNT_BLOCK": 1024}]
 SWEEP_CASES = [("dg8", "traffic"), ("dg8", "mixed"), ("dg8", "p0.9"), ("dg1", "traffic"), ("nem16_bf16", "traffic"),
                ("nem16_fp32", "traffic")]
 

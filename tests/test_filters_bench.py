@@ -34,7 +34,7 @@ print("sweep exit", code, len(SWEEP))
 
 @pytest.mark.reliability   # ~2 minutes of interpreter on 2 cores
 def test_tiny_sweep_checks_every_setting_against_torch_in_the_interpreter(tmp_path):
-    """Every setting the GPU sweep times (tile sizes, the sub-tile masks on and off) gives torch's
+    """Every setting the GPU sweep times (tile and split sizes, warps) gives torch's
     thresholds: a setting that is fast but wrong shows as not exact."""
     out = tmp_path / "sweep.json"
     printed = run_interpreted(SWEEP.format(json=str(out)), "sweep exit 0", timeout=400)

@@ -58,14 +58,13 @@ from model.parallel.group import TPGroup
 from model.sampling.filters import CANDIDATES
 
 SPLIT = 16384        # vocabulary entries per program
-COUNT_BLOCK = 2048   # a count pass's tile: one histogram per tile
+COUNT_BLOCK = 512    # a count pass's tile: one histogram per tile (2048 was slower on an H100: tiles skip less)
 MASS_BLOCK = 512     # a mass pass's tile: its [16, MASS_BLOCK] fp32 totals stay in registers
 CACHE_TILE = 512     # entries a cached maximum covers (at most MASS_BLOCK; 256 was slower on an H100)
-SUB_TILE_MASKS = True   # count passes load, of a count tile, only the cached tiles that reach
 NUM_WARPS = 4
 HISTOGRAM = True     # count passes by tl.histogram (False: by 16 comparisons an entry; the same totals)
 # the pass kinds (constexprs: kernels read them)
-COUNT, LOG_NORM, MASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+COUNT, LOG_NORM, MASS, KEY_MASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 BINS = 32            # a count histogram's bins: below, the 16 digits, above, unused
 
 
@@ -114,13 +113,14 @@ def _key_logit(key, BITS: tl.constexpr):
 
 
 @triton.jit
-def _chosen(totals_ptr, n, splits, target, NC: tl.constexpr, SPLITS_P2: tl.constexpr):
+def _chosen(totals_ptr, n, splits, target, NC: tl.constexpr, SPLITS_P2: tl.constexpr, past=0.0):
     """The digit a pass's totals decide for row position n: the largest candidate whose total (over the
-    splits) reaches the target, 0 if none; and whether candidate 0 (everything above the prefix) did."""
+    splits, plus `past`, what every candidate holds besides) reaches the target, 0 if none; and whether
+    candidate 0 (everything above the prefix) did."""
     s = tl.arange(0, SPLITS_P2)
     d = tl.arange(0, NC)
     parts = tl.load(totals_ptr + (n * splits + s[:, None]) * NC + d[None, :], mask=s[:, None] < splits, other=0.0)
-    ok = tl.sum(parts, 0) >= target
+    ok = past + tl.sum(parts, 0) >= target
     return tl.maximum(tl.sum(ok.to(tl.int32), 0) - 1, 0), tl.sum(tl.where(d == 0, ok.to(tl.int32), 0), 0) > 0
 
 
@@ -165,12 +165,13 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
                         ON_SCALED: tl.constexpr, INTERPRETED: tl.constexpr, NC: tl.constexpr,
                         SPLITS_P2: tl.constexpr, NORM_SPLITS_P2: tl.constexpr, SPLIT_SIZE: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
-                        TILES_P2: tl.constexpr, HISTOGRAM: tl.constexpr, BINS: tl.constexpr,
-                        SUB_TILE_MASKS: tl.constexpr):
+                        TILES_P2: tl.constexpr, HISTOGRAM: tl.constexpr, BINS: tl.constexpr):
     """COUNT pass PASS: out[n, split, d] = entries with key >= prefix + d << shift (undercounted only at
     candidates <= bound[n], the top-k bound L); LOG_NORM: out[n, split, 0:2] = (max, sum exp(v - max))
     of the top-k survivors' values (and xk[n] = the top-k threshold's logit); MASS pass PASS: out[n,
-    split, d] = their probability mass at keys >= prefix + d << shift.
+    split, d] = their probability mass at keys >= prefix + d << shift; KEY_MASS (the last mass pass, whose
+    digits are single keys): out[n, split, d] = their mass at keys in [prefix + d, prefix + 16), a count of
+    each key times its probability (the mass past prefix + 16 is the earlier passes': _mass_past).
     prev: the previous pass's totals (PASS > 0); prefix[PASS - 1] the prefix they were counted at.
     tile_max[n, split, t]: the largest logit of the split's t-th TILE-entry tile (-inf past the slice),
     written by _tile_max_kernel for rows asking top-k and by LOG_NORM for the others, read by every
@@ -188,6 +189,7 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
     acc = tl.zeros((NC, BLOCK_SIZE), dtype=tl.float32)
     m = tl.full((), -float("inf"), tl.float32)
     z = tl.zeros((), tl.float32)
+    weights = tl.zeros((NC,), tl.float32)
     if active:
         temp = tl.load(temp_ptr + row)
         t_eff = tl.where(temp > 0, temp, 1.0)
@@ -209,7 +211,7 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
             lowest = tl.load(bound_ptr + n)
         else:
             thr = decided_value(tl.load(xk_ptr + n), t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
-        if MODE == MASS:
+        if MODE == MASS or MODE == KEY_MASS:
             s = tl.arange(0, NORM_SPLITS_P2)
             inside_s = s < norm_splits
             ms = tl.load(norm_ptr + (n * norm_splits + s) * NC, mask=inside_s, other=-float("inf"))
@@ -245,15 +247,7 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
                 top_x = tl.max(tl.where((tiles >= first) & (tiles < first + SUB), cached, -float("inf")), 0)
             if _reaches(top_x, low, lowest, thr, t_eff, softcap, inv_softcap, MODE, BITS, HAS_SOFTCAP, ON_SCALED,
                         INTERPRETED):
-                if MODE == COUNT and SUB_TILE_MASKS:
-                    # of a count tile that reaches, the cached tiles that do: each lane reads its own tile's
-                    # maximum (the lanes of a tile share one address), and the others' lanes load nothing
-                    lane_top = tl.load(cache + (off + tl.arange(0, BLOCK_SIZE)) // TILE, mask=inside,
-                                       other=-float("inf"))
-                    inside = inside & _reaches(lane_top, low, lowest, thr, t_eff, softcap, inv_softcap, MODE, BITS,
-                                               HAS_SOFTCAP, ON_SCALED, INTERPRETED)
-                    x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
-                elif not fill:
+                if not fill:
                     x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
                 if MODE == LOG_NORM:
                     v = decided_value(x, t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
@@ -267,9 +261,9 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
                     at = key >= low
                     # the digit, 16 for keys past the pass's range (they count in every candidate)
                     digits = tl.minimum((key - low) >> SHIFT.to(tl.uint32), 16).to(tl.int32)
-                    if MODE == COUNT:
+                    if MODE == COUNT or MODE == KEY_MASS:
                         binned = tl.where(at & inside, digits + 1, 0)   # bin 0: counted in no candidate
-                        if HISTOGRAM:
+                        if HISTOGRAM or MODE == KEY_MASS:
                             hist += tl.histogram(binned, BINS)
                         else:
                             acc += (d[:, None] < binned[None, :]).to(tl.float32)
@@ -277,8 +271,17 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
                         v = decided_value(x, t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
                         mass = tl.where(at & inside & (v >= thr), tl.exp(v - norm), 0.0)
                         acc += tl.where(d[:, None] <= digits[None, :], mass[None, :], 0.0)
+        if MODE == KEY_MASS:   # a digit's key is one value: its probability, 0 where top-k drops it
+            keys = prefix + d
+            key_v = decided_value(_key_logit(keys, BITS), t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED,
+                                  INTERPRETED)
+            weights = tl.where((keys < (1 << BITS)) & (key_v >= thr), tl.exp(key_v - norm), 0.0)
     out = (n * splits + split) * NC
-    if MODE == LOG_NORM:
+    if MODE == KEY_MASS:   # the keys' counts (bins 1..16) times their probabilities, summed from each d up
+        counts = tl.sum(tl.where(bins[None, :] == d[:, None] + 1, hist[None, :], 0), 1)
+        key_mass = counts.to(tl.float32) * weights
+        tl.store(out_ptr + out + d, tl.sum(tl.where(d[None, :] >= d[:, None], key_mass[None, :], 0.0), 1))
+    elif MODE == LOG_NORM:
         tl.store(out_ptr + out + d, tl.where(d == 0, m, tl.where(d == 1, z, 0.0)))
     elif MODE == COUNT and HISTOGRAM:   # candidate d counts the bins past d: the suffix sums
         tl.store(out_ptr + out + d, tl.sum(tl.where(bins[None, :] > d[:, None], hist[None, :], 0), 1).to(tl.float32))
@@ -300,6 +303,23 @@ def _top_k_logit_kernel(top_k_ptr, totals_ptr, first_ptr, prefix_ptr, xk_ptr, P,
 
 
 @triton.jit
+def _mass_past(masses_ptr, prefix_ptr, n, splits, BITS: tl.constexpr, NC: tl.constexpr, SPLITS_P2: tl.constexpr):
+    """The mass at keys past the last (KEY_MASS) pass's 16, prefix + 16 and up, which its totals leave out:
+    the total of the latest weighted pass whose digit was not its largest, at the candidate after that
+    digit (the passes' prefixes give their digits); 0 where every pass took its largest digit."""
+    RP = tl.num_programs(0)
+    s = tl.arange(0, SPLITS_P2)
+    past = tl.zeros((), tl.float32)
+    for j in tl.static_range(BITS // 4 - 1):   # later passes override earlier ones
+        shift: tl.constexpr = BITS - 4 * (j + 1)
+        digit = (tl.load(prefix_ptr + (j + 1) * RP + n) - tl.load(prefix_ptr + j * RP + n)) >> shift
+        after = tl.minimum(digit + 1, NC - 1).to(tl.int32)
+        parts = tl.load(masses_ptr + ((j * RP + n) * splits + s) * NC + after, mask=s < splits, other=0.0)
+        past = tl.where(digit < NC - 1, tl.sum(parts, 0), past)
+    return past
+
+
+@triton.jit
 def _finish_kernel(temp_ptr, top_p_ptr, xk_ptr, totals_ptr, first_ptr, prefix_ptr, out_ptr, P, splits, last,
                    softcap, inv_softcap, BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ON_SCALED: tl.constexpr,
                    INTERPRETED: tl.constexpr, NC: tl.constexpr, SPLITS_P2: tl.constexpr):
@@ -311,7 +331,8 @@ def _finish_kernel(temp_ptr, top_p_ptr, xk_ptr, totals_ptr, first_ptr, prefix_pt
     t_eff = tl.where(temp > 0, temp, 1.0)
     raw = tl.load(xk_ptr + n)
     if p < 1:
-        digit, _ = _chosen(totals_ptr, n, splits, p, NC, SPLITS_P2)
+        past = _mass_past(first_ptr, prefix_ptr, n, splits, BITS, NC, SPLITS_P2)
+        digit, _ = _chosen(totals_ptr, n, splits, p, NC, SPLITS_P2, past)
         _, reached = _chosen(first_ptr, n, splits, p, NC, SPLITS_P2)   # the whole mass reaches p
         key = tl.load(prefix_ptr + last * tl.num_programs(0) + n) + digit.to(tl.int64)
         raw = tl.where(reached, tl.maximum(raw, _key_logit(key, BITS)), raw)
@@ -375,7 +396,7 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
             x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, tile_max, bound, P, V, splits, norm_splits, cap,
             inv_cap, i, bits - 4 * (i + 1), MODE=mode.value, NORM_SPLITS_P2=triton.next_power_of_2(norm_splits),
             SPLIT_SIZE=width, BLOCK_SIZE=block, TILE=tile, TILES=tiles, TILES_P2=triton.next_power_of_2(tiles),
-            HISTOGRAM=HISTOGRAM, BINS=BINS, SUB_TILE_MASKS=SUB_TILE_MASKS, num_warps=NUM_WARPS, **flags)
+            HISTOGRAM=HISTOGRAM, BINS=BINS, num_warps=NUM_WARPS, **flags)
 
     for i in range(passes):
         launch(COUNT, i, counts[i - 1] if i else counts[0], prefix_k, counts[i], norm, 1, count_block)
@@ -391,7 +412,9 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         norm_in, norm_splits = torch.stack([m, z], -1).reshape(RP, 1, 2), 1
         norm_in = torch.nn.functional.pad(norm_in, (0, CANDIDATES - 2))
     for i in range(passes):
-        launch(MASS, i, masses[i - 1] if i else masses[0], prefix_p, masses[i], norm_in, norm_splits, mass_block)
+        last = i == passes - 1   # its digits are single keys: counted, and weighed once a key
+        launch(KEY_MASS if last else MASS, i, masses[i - 1] if i else masses[0], prefix_p, masses[i], norm_in,
+               norm_splits, count_block if last else mass_block)
         tp.all_reduce(masses[i])   # the masses over ranks
     out = torch.empty(RP, dtype=torch.float32, device=dev)
     _finish_kernel[(RP,)](temp, top_p, xk, masses[-1], masses[0], prefix_p, out, P, splits, passes - 1, cap, inv_cap,
