@@ -311,8 +311,7 @@ def _mass_past(masses_ptr, prefix_ptr, n, splits, BITS: tl.constexpr, NC: tl.con
     s = tl.arange(0, SPLITS_P2)
     past = tl.zeros((), tl.float32)
     for j in tl.static_range(BITS // 4 - 1):   # later passes override earlier ones
-        shift: tl.constexpr = BITS - 4 * (j + 1)
-        digit = (tl.load(prefix_ptr + (j + 1) * RP + n) - tl.load(prefix_ptr + j * RP + n)) >> shift
+        digit = (tl.load(prefix_ptr + (j + 1) * RP + n) - tl.load(prefix_ptr + j * RP + n)) >> (BITS - 4 * (j + 1))
         after = tl.minimum(digit + 1, NC - 1).to(tl.int32)
         parts = tl.load(masses_ptr + ((j * RP + n) * splits + s) * NC + after, mask=s < splits, other=0.0)
         past = tl.where(digit < NC - 1, tl.sum(parts, 0), past)
