@@ -18,11 +18,11 @@ when it still carried a copy of it. --against FILE times another version of the 
 filters.py anywhere, e.g. an older commit's, loaded under its own name) beside it in the same run, on
 the same inputs, and checks it against torch too (columns against_ms and speedup = against_ms / ms).
 --sweep times the kernel under each of SWEEP's settings of its module constants (tile and split sizes,
-warps) on SWEEP_CASES (with --tiny: the --shapes given, at the first of --asks), each checked against
-torch. --profile lists each case's kernels in launch order with their device times
-(torch.profiler) and the GPU's idle time between them. --tiny runs small shapes, also on the CPU under
-TRITON_INTERPRET=1 (a smoke test of this script). Prints a table; writes JSON to --json (default
-$OUT/filters_bench.json when $OUT is set).
+warps, how tile maxima are read) on SWEEP_CASES (with --tiny: the --shapes given, at the first of
+--asks), each checked against torch. --profile lists each case's kernels in launch order with their
+device times (torch.profiler) and the GPU's idle time between them. --tiny runs small shapes, also on
+the CPU under TRITON_INTERPRET=1 (a smoke test of this script). Prints a table; writes JSON to --json
+(default $OUT/filters_bench.json when $OUT is set).
 
     PYTHONPATH=. python benchmarks/filters_bench.py [--sweep]
     git show 583aadc:model/kernels/filters.py > /tmp/filters_old.py   # the kernel before its tile-max cache
@@ -68,9 +68,9 @@ TINY = {   # --tiny: the same kinds, small enough for the interpreter
 }
 ASKS = ("mixed", "k40p0.9", "p0.9", "none", "traffic")
 # --sweep: settings of the kernel's module constants, each on top of its defaults (the first: none)
-SETTINGS = ("SPLIT", "COUNT_BLOCK", "MASS_BLOCK", "CACHE_TILE", "NUM_WARPS", "HISTOGRAM")
-SWEEP = [{}, {"COUNT_BLOCK": 1024}, {"COUNT_BLOCK": 2048}, {"CACHE_TILE": 256}, {"MASS_BLOCK": 256, "CACHE_TILE": 256},
-         {"SPLIT": 8192}, {"SPLIT": 32768}, {"NUM_WARPS": 8, "COUNT_BLOCK": 1024}]
+SETTINGS = ("SPLIT", "COUNT_BLOCK", "MASS_BLOCK", "CACHE_TILE", "NUM_WARPS", "HISTOGRAM", "PRELOAD_MAXIMA")
+SWEEP = [{}, {"PRELOAD_MAXIMA": False}, {"COUNT_BLOCK": 1024}, {"SPLIT": 8192}, {"SPLIT": 32768},
+         {"SPLIT": 32768, "PRELOAD_MAXIMA": False}, {"MASS_BLOCK": 256, "CACHE_TILE": 256}, {"NUM_WARPS": 8}]
 SWEEP_CASES = [("dg8", "traffic"), ("dg8", "mixed"), ("dg8", "p0.9"), ("dg1", "traffic"), ("nem16_bf16", "traffic"),
                ("nem16_fp32", "traffic")]
 
@@ -126,8 +126,9 @@ def launch_profile(fn, runs: int = 3) -> dict:
     """The CUDA kernels of one eager fn() in launch order, each with its device time (the median of runs,
     us), and the call's busy and span time. span - busy is the GPU idling between the eager launches,
     the profiler's own overhead included (so an upper bound; a CUDA graph's replay idles far less). The
-    thresholds launch, in order: the count passes (4 for bf16 logits, 8 for fp32), the top-k logit, the
-    log-normaliser, the mass passes, the finish; plus whatever torch ops the launcher runs."""
+    thresholds launch, in order: the tile maxima, the top-k bound (a torch sort), the count passes (4
+    for bf16 logits, 8 for fp32), the top-k logit, the mass passes (the normaliser's torch ops after the
+    first), the finish."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 

@@ -63,8 +63,9 @@ MASS_BLOCK = 512     # a mass pass's tile: its [16, MASS_BLOCK] fp32 totals stay
 CACHE_TILE = 512     # entries a cached maximum covers (at most MASS_BLOCK; 256 was slower on an H100)
 NUM_WARPS = 4
 HISTOGRAM = True     # count passes by tl.histogram (False: by 16 comparisons an entry; the same totals)
+PRELOAD_MAXIMA = True   # a pass loads its split's tile maxima at once (False: one load a tile)
 # the pass kinds (constexprs: kernels read them)
-COUNT, LOG_NORM, MASS, KEY_MASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+COUNT, MASS, KEY_MASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 BINS = 32            # a count histogram's bins: below, the 16 digits, above, unused
 
 
@@ -129,7 +130,7 @@ def _reaches(top_x, low, lowest, thr, t_eff, softcap, inv_softcap, MODE: tl.cons
              HAS_SOFTCAP: tl.constexpr, ON_SCALED: tl.constexpr, INTERPRETED: tl.constexpr):
     """Whether a tile whose largest logit is top_x (a scalar or a vector of tiles) may hold an entry the
     pass counts: at or above the prefix (pass 0's prefix is 0: every tile), not below the top-k bound
-    L (COUNT: -inf unless known), and surviving top-k (LOG_NORM, MASS: thr = v(-inf) where no top-k)."""
+    L (COUNT: -inf unless known), and surviving top-k (MASS, KEY_MASS: thr = v(-inf) where no top-k)."""
     ok = (_logit_keys(top_x, BITS) >= low) & (top_x >= lowest)
     if MODE != COUNT:
         ok = ok & (decided_value(top_x, t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED) >= thr)
@@ -137,13 +138,13 @@ def _reaches(top_x, low, lowest, thr, t_eff, softcap, inv_softcap, MODE: tl.cons
 
 
 @triton.jit
-def _tile_max_kernel(x_ptr, top_k_ptr, tile_max_ptr, P, V, splits, SPLIT_SIZE: tl.constexpr,
+def _tile_max_kernel(x_ptr, top_k_ptr, top_p_ptr, tile_max_ptr, P, V, splits, SPLIT_SIZE: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr):
     """tile_max[n, split, t]: the largest logit of the split's t-th TILE-entry tile (-inf past the slice),
-    for the rows asking top-k (a read of the logits and nothing else: their first)."""
+    for the rows asking a filter (a read of the logits and nothing else: their first)."""
     n = tl.program_id(0)
     split = tl.program_id(1)
-    if tl.load(top_k_ptr + n // P) > 0:
+    if (tl.load(top_k_ptr + n // P) > 0) | (tl.load(top_p_ptr + n // P) < 1):
         SUB: tl.constexpr = BLOCK_SIZE // TILE
         row_ptr = x_ptr + n.to(tl.int64) * V
         cache = tile_max_ptr + (n.to(tl.int64) * splits + split) * TILES
@@ -159,23 +160,24 @@ def _tile_max_kernel(x_ptr, top_k_ptr, tile_max_ptr, P, V, splits, SPLIT_SIZE: t
 # cold start compiles 3 filter kernels a flag set, not 9 for bf16 logits and 17 for fp32), unspecialized
 # (triton would otherwise compile apart the values equal to 1 or divisible by 16)
 @triton.jit(do_not_specialize=["PASS", "SHIFT"])
-def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_ptr, out_ptr, xk_ptr, norm_ptr,
-                        tile_max_ptr, bound_ptr, P, V, splits, norm_splits, softcap, inv_softcap, PASS, SHIFT,
+def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_ptr, out_ptr, xk_ptr, ref_ptr,
+                        lognorm_ptr, tile_max_ptr, bound_ptr, P, V, splits, softcap, inv_softcap, PASS, SHIFT,
                         MODE: tl.constexpr, BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         ON_SCALED: tl.constexpr, INTERPRETED: tl.constexpr, NC: tl.constexpr,
-                        SPLITS_P2: tl.constexpr, NORM_SPLITS_P2: tl.constexpr, SPLIT_SIZE: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
-                        TILES_P2: tl.constexpr, HISTOGRAM: tl.constexpr, BINS: tl.constexpr):
+                        SPLITS_P2: tl.constexpr, SPLIT_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        TILE: tl.constexpr, TILES: tl.constexpr, TILES_P2: tl.constexpr, HISTOGRAM: tl.constexpr,
+                        BINS: tl.constexpr, PRELOAD_MAXIMA: tl.constexpr):
     """COUNT pass PASS: out[n, split, d] = entries with key >= prefix + d << shift (undercounted only at
-    candidates <= bound[n], the top-k bound L); LOG_NORM: out[n, split, 0:2] = (max, sum exp(v - max))
-    of the top-k survivors' values (and xk[n] = the top-k threshold's logit); MASS pass PASS: out[n,
-    split, d] = their probability mass at keys >= prefix + d << shift; KEY_MASS (the last mass pass, whose
-    digits are single keys): out[n, split, d] = their mass at keys in [prefix + d, prefix + 16), a count of
-    each key times its probability (the mass past prefix + 16 is the earlier passes': _mass_past).
+    candidates <= bound[n], the top-k bound L). MASS pass PASS: out[n, split, d] = the top-k survivors'
+    probability mass at keys >= prefix + d << shift; pass 0, before the normaliser is known, sums
+    exp(v - ref[n, split]) instead, ref being the split's largest surviving value (written, -inf where
+    none survives; its candidate 0 is every survivor: the split's sum of the normaliser), and later ones
+    exp(v - lognorm[n]). KEY_MASS (the last mass pass, whose digits are single keys): out[n, split, d] =
+    the mass at keys in [prefix + d, prefix + 16), a count of each key times its probability (the mass
+    past prefix + 16 is the earlier passes': _mass_past).
     prev: the previous pass's totals (PASS > 0); prefix[PASS - 1] the prefix they were counted at.
     tile_max[n, split, t]: the largest logit of the split's t-th TILE-entry tile (-inf past the slice),
-    written by _tile_max_kernel for rows asking top-k and by LOG_NORM for the others, read by every
-    other pass; BLOCK_SIZE is a multiple of TILE."""
+    written by _tile_max_kernel for every row asking a filter; BLOCK_SIZE is a multiple of TILE."""
     n = tl.program_id(0)
     split = tl.program_id(1)
     row = n // P
@@ -187,9 +189,8 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
     hist = tl.zeros((BINS,), dtype=tl.int32)
     # per-lane totals [candidate, entry], summed across lanes once after the loop
     acc = tl.zeros((NC, BLOCK_SIZE), dtype=tl.float32)
-    m = tl.full((), -float("inf"), tl.float32)
-    z = tl.zeros((), tl.float32)
     weights = tl.zeros((NC,), tl.float32)
+    ref = tl.full((), -float("inf"), tl.float32)
     if active:
         temp = tl.load(temp_ptr + row)
         t_eff = tl.where(temp > 0, temp, 1.0)
@@ -205,84 +206,67 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
         if split == 0:
             tl.store(prefix_ptr + PASS * tl.num_programs(0) + n, prefix)
         low = prefix.to(tl.uint32)
+        cache = tile_max_ptr + (n.to(tl.int64) * splits + split) * TILES
+        tiles = tl.arange(0, TILES_P2)
+        cached = tl.full((TILES_P2,), -float("inf"), tl.float32)
+        if PRELOAD_MAXIMA:   # the split's maxima at once: one load a program
+            cached = tl.load(cache + tiles, mask=tiles < TILES, other=-float("inf"))
         thr = -float("inf")
         lowest = -float("inf")
+        log_scale = tl.zeros((), tl.float32)   # probabilities are exp(v - log_scale)
         if MODE == COUNT:
             lowest = tl.load(bound_ptr + n)
         else:
             thr = decided_value(tl.load(xk_ptr + n), t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
-        if MODE == MASS or MODE == KEY_MASS:
-            s = tl.arange(0, NORM_SPLITS_P2)
-            inside_s = s < norm_splits
-            ms = tl.load(norm_ptr + (n * norm_splits + s) * NC, mask=inside_s, other=-float("inf"))
-            zs = tl.load(norm_ptr + (n * norm_splits + s) * NC + 1, mask=inside_s, other=0.0)
-            top = tl.max(ms, 0)
-            safe = tl.where(top == -float("inf"), 0.0, top)
-            norm = safe + tl.log(tl.sum(tl.where(zs > 0, zs * tl.exp(ms - safe), 0.0), 0))
+            if PASS == 0:   # v is non-decreasing: the split's largest value is v(its largest logit)
+                top_x = tl.max(tl.load(cache + tiles, mask=tiles < TILES, other=-float("inf")), 0)
+                top_v = decided_value(top_x, t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
+                ref = tl.where(top_v >= thr, top_v, -float("inf"))
+                log_scale = tl.where(ref == -float("inf"), 0.0, ref)   # no survivor: no tile reaches either
+            else:
+                log_scale = tl.load(lognorm_ptr + n)
         row_ptr = x_ptr + n.to(tl.int64) * V
         start = split * SPLIT_SIZE
-        if MODE == LOG_NORM:
-            fill = k <= 0   # the row's first read (no _tile_max_kernel for it): every tile, keeping maxima
-        else:
-            fill = False
         SUB: tl.constexpr = BLOCK_SIZE // TILE
-        cache = tile_max_ptr + (n.to(tl.int64) * splits + split) * TILES
-        tiles = tl.arange(0, TILES_P2)
         sub = tl.arange(0, SUB)
-        if fill:
-            cached = tl.full((TILES_P2,), -float("inf"), tl.float32)
-        else:   # the split's maxima at once: one load a program, not one a tile
-            cached = tl.load(cache + tiles, mask=tiles < TILES, other=-float("inf"))
         for off in range(0, SPLIT_SIZE, BLOCK_SIZE):
             cols = start + off + tl.arange(0, BLOCK_SIZE)
             inside = cols < V
             first = off // TILE
-            if fill:
-                x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
-                tops = tl.max(tl.reshape(x, (SUB, TILE)), 1)
-                tl.store(cache + first + sub, tops, mask=first + sub < TILES)
-                top_x = tl.max(tops, 0)
-            else:
-                x = tl.full((BLOCK_SIZE,), -float("inf"), tl.float32)   # read below, where the tile reaches
+            if PRELOAD_MAXIMA:
                 top_x = tl.max(tl.where((tiles >= first) & (tiles < first + SUB), cached, -float("inf")), 0)
+            else:   # a load a tile, not a reduction over the split's maxima
+                top_x = tl.max(tl.load(cache + first + sub, mask=first + sub < TILES, other=-float("inf")), 0)
             if _reaches(top_x, low, lowest, thr, t_eff, softcap, inv_softcap, MODE, BITS, HAS_SOFTCAP, ON_SCALED,
                         INTERPRETED):
-                if not fill:
-                    x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
-                if MODE == LOG_NORM:
+                x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
+                key = _logit_keys(x, BITS)
+                at = key >= low
+                # the digit, 16 for keys past the pass's range (they count in every candidate)
+                digits = tl.minimum((key - low) >> SHIFT.to(tl.uint32), 16).to(tl.int32)
+                if MODE == MASS:
                     v = decided_value(x, t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
-                    v = tl.where(inside & (v >= thr), v, -float("inf"))
-                    new_m = tl.maximum(m, tl.max(v, 0))
-                    safe_m = tl.where(new_m == -float("inf"), 0.0, new_m)
-                    z = z * tl.exp(m - safe_m) + tl.sum(tl.exp(v - safe_m), 0)
-                    m = new_m
+                    mass = tl.where(at & inside & (v >= thr), tl.exp(v - log_scale), 0.0)
+                    acc += tl.where(d[:, None] <= digits[None, :], mass[None, :], 0.0)
                 else:
-                    key = _logit_keys(x, BITS)
-                    at = key >= low
-                    # the digit, 16 for keys past the pass's range (they count in every candidate)
-                    digits = tl.minimum((key - low) >> SHIFT.to(tl.uint32), 16).to(tl.int32)
-                    if MODE == COUNT or MODE == KEY_MASS:
-                        binned = tl.where(at & inside, digits + 1, 0)   # bin 0: counted in no candidate
-                        if HISTOGRAM or MODE == KEY_MASS:
-                            hist += tl.histogram(binned, BINS)
-                        else:
-                            acc += (d[:, None] < binned[None, :]).to(tl.float32)
+                    binned = tl.where(at & inside, digits + 1, 0)   # bin 0: counted in no candidate
+                    if HISTOGRAM or MODE == KEY_MASS:
+                        hist += tl.histogram(binned, BINS)
                     else:
-                        v = decided_value(x, t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED, INTERPRETED)
-                        mass = tl.where(at & inside & (v >= thr), tl.exp(v - norm), 0.0)
-                        acc += tl.where(d[:, None] <= digits[None, :], mass[None, :], 0.0)
+                        acc += (d[:, None] < binned[None, :]).to(tl.float32)
         if MODE == KEY_MASS:   # a digit's key is one value: its probability, 0 where top-k drops it
             keys = prefix + d
             key_v = decided_value(_key_logit(keys, BITS), t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED,
                                   INTERPRETED)
-            weights = tl.where((keys < (1 << BITS)) & (key_v >= thr), tl.exp(key_v - norm), 0.0)
+            weights = tl.where((keys < (1 << BITS)) & (key_v >= thr), tl.exp(key_v - log_scale), 0.0)
     out = (n * splits + split) * NC
+    if MODE == MASS:
+        if PASS == 0:
+            tl.store(ref_ptr + n * splits + split, ref)
     if MODE == KEY_MASS:   # the keys' counts (bins 1..16) times their probabilities, summed from each d up
         counts = tl.sum(tl.where(bins[None, :] == d[:, None] + 1, hist[None, :], 0), 1)
         key_mass = counts.to(tl.float32) * weights
         tl.store(out_ptr + out + d, tl.sum(tl.where(d[None, :] >= d[:, None], key_mass[None, :], 0.0), 1))
-    elif MODE == LOG_NORM:
-        tl.store(out_ptr + out + d, tl.where(d == 0, m, tl.where(d == 1, z, 0.0)))
     elif MODE == COUNT and HISTOGRAM:   # candidate d counts the bins past d: the suffix sums
         tl.store(out_ptr + out + d, tl.sum(tl.where(bins[None, :] > d[:, None], hist[None, :], 0), 1).to(tl.float32))
     else:
@@ -356,6 +340,24 @@ def top_k_bound(tile_max: torch.Tensor, top_k: torch.Tensor, P: int) -> torch.Te
     return torch.where((k.squeeze(1) > 0) & (k.squeeze(1) <= ranked.shape[1]), kth, -torch.inf)
 
 
+def normalise_first_pass(first: torch.Tensor, ref: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """The top-p log-normaliser log sum exp(v) over the top-k survivors [R * P], from mass pass 0's sums
+    relative to each split's largest survivor, ref [R * P, splits] (-inf where none): candidate 0 counts
+    every survivor, so first[..., 0] is the split's sum exp(v - ref). Those pairs combine by rescaling to
+    the largest ref (over the ranks too: a MAX, then a SUM all-reduce); first becomes relative to the
+    normaliser in place, on this rank's splits (its all-reduce follows)."""
+    top = ref.amax(1)
+    if tp.is_parallel:
+        top = tp.all_reduce(top, torch.distributed.ReduceOp.MAX)
+    safe = torch.where(torch.isfinite(top), top, 0.0)
+    total = (first[..., 0] * torch.exp(ref - safe[:, None])).nan_to_num(0.0).sum(1)
+    if tp.is_parallel:
+        total = tp.all_reduce(total)
+    lognorm = safe + torch.log(total)
+    first.mul_(torch.exp(ref - lognorm[:, None]).nan_to_num(0.0, posinf=0.0).unsqueeze(-1))
+    return lognorm
+
+
 def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                      vocab_start: int, tp: TPGroup, *, softcap: float | None = None,
                      on_scaled: bool = True) -> torch.Tensor:
@@ -373,7 +375,6 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     cap, inv_cap = softcap_operands(softcap)
     counts = torch.empty(passes, RP, splits, CANDIDATES, device=dev)
     masses = torch.empty_like(counts)
-    norm = torch.empty(RP, splits, CANDIDATES, device=dev)
     prefix_k = torch.empty(passes, RP, dtype=torch.int64, device=dev)
     prefix_p = torch.empty_like(prefix_k)
     xk = torch.empty(RP, device=dev)
@@ -385,35 +386,31 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     assert count_block % tile == 0 and mass_block % tile == 0 and (splits == 1 or width % count_block == 0), (
         SPLIT, COUNT_BLOCK, MASS_BLOCK, CACHE_TILE)
     tiles = triton.cdiv(width, tile)
-    tile_max = torch.empty(RP, splits, tiles, device=dev)   # each row's first read fills what later ones read
-    _tile_max_kernel[(RP, splits)](x, top_k, tile_max, P, V, splits, SPLIT_SIZE=width, BLOCK_SIZE=count_block,
+    tile_max = torch.empty(RP, splits, tiles, device=dev)   # the first read of every filtered row
+    _tile_max_kernel[(RP, splits)](x, top_k, top_p, tile_max, P, V, splits, SPLIT_SIZE=width, BLOCK_SIZE=count_block,
                                    TILE=tile, TILES=tiles, num_warps=NUM_WARPS)
     bound = top_k_bound(tile_max, top_k, P)
+    ref = torch.empty(RP, splits, device=dev)
+    lognorm = torch.empty(RP, device=dev)
 
-    def launch(mode, i, prev, prefix, out, norm_in, norm_splits, block):
+    def launch(mode, i, prev, prefix, out, block):
         _filter_pass_kernel[(RP, splits)](
-            x, temp, top_k, top_p, prev, prefix, out, xk, norm_in, tile_max, bound, P, V, splits, norm_splits, cap,
-            inv_cap, i, bits - 4 * (i + 1), MODE=mode.value, NORM_SPLITS_P2=triton.next_power_of_2(norm_splits),
-            SPLIT_SIZE=width, BLOCK_SIZE=block, TILE=tile, TILES=tiles, TILES_P2=triton.next_power_of_2(tiles),
-            HISTOGRAM=HISTOGRAM, BINS=BINS, num_warps=NUM_WARPS, **flags)
+            x, temp, top_k, top_p, prev, prefix, out, xk, ref, lognorm, tile_max, bound, P, V, splits, cap, inv_cap,
+            i, bits - 4 * (i + 1), MODE=mode.value, SPLIT_SIZE=width, BLOCK_SIZE=block, TILE=tile, TILES=tiles,
+            TILES_P2=triton.next_power_of_2(tiles), HISTOGRAM=HISTOGRAM, BINS=BINS, PRELOAD_MAXIMA=PRELOAD_MAXIMA,
+            num_warps=NUM_WARPS, **flags)
 
     for i in range(passes):
-        launch(COUNT, i, counts[i - 1] if i else counts[0], prefix_k, counts[i], norm, 1, count_block)
+        launch(COUNT, i, counts[i - 1] if i else counts[0], prefix_k, counts[i], count_block)
         tp.all_reduce(counts[i])   # the counts over ranks
     _top_k_logit_kernel[(RP,)](top_k, counts[-1], counts[0], prefix_k, xk, P, splits, passes - 1, BITS=bits,
                                NC=CANDIDATES, SPLITS_P2=triton.next_power_of_2(splits))
-    launch(LOG_NORM, 0, counts[0], prefix_p, norm, norm, 1, mass_block)
-    norm_in, norm_splits = norm, splits
-    if tp.is_parallel:   # (max, sum) pairs combine by rescaling, not by a plain sum: over the ranks here
-        m = tp.all_reduce(norm[..., 0].amax(1), torch.distributed.ReduceOp.MAX)
-        safe = torch.where(torch.isfinite(m), m, 0.0)
-        z = tp.all_reduce((norm[..., 1] * torch.exp(norm[..., 0] - safe[:, None])).nan_to_num(0.0).sum(1))
-        norm_in, norm_splits = torch.stack([m, z], -1).reshape(RP, 1, 2), 1
-        norm_in = torch.nn.functional.pad(norm_in, (0, CANDIDATES - 2))
     for i in range(passes):
         last = i == passes - 1   # its digits are single keys: counted, and weighed once a key
-        launch(KEY_MASS if last else MASS, i, masses[i - 1] if i else masses[0], prefix_p, masses[i], norm_in,
-               norm_splits, count_block if last else mass_block)
+        launch(KEY_MASS if last else MASS, i, masses[i - 1] if i else masses[0], prefix_p, masses[i],
+               count_block if last else mass_block)
+        if i == 0:
+            lognorm.copy_(normalise_first_pass(masses[0], ref, tp))
         tp.all_reduce(masses[i])   # the masses over ranks
     out = torch.empty(RP, dtype=torch.float32, device=dev)
     _finish_kernel[(RP,)](temp, top_p, xk, masses[-1], masses[0], prefix_p, out, P, splits, passes - 1, cap, inv_cap,
