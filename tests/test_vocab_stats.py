@@ -231,10 +231,10 @@ F.SPLIT, F.COUNT_BLOCK, F.MASS_BLOCK = 1024, 512, 128
 temp = torch.tensor([0.7, 1.0, 1.3, 1.0, 0.0, 2.0])
 top_k = torch.tensor([5, 0, 7, 0, 3, 0])           # k only, p only, both, neither, both, p only
 top_p = torch.tensor([1.0, 0.8, 0.7, 1.0, 0.95, 0.5])
-cases = [(2900, torch.bfloat16, 30.0, False, True), (2900, torch.float32, None, True, False),
-         (700, torch.float32, None, True, True)]
-for V, dtype, softcap, on_scaled, histogram in cases:
-    F.HISTOGRAM = histogram
+cases = [(2900, torch.bfloat16, 30.0, False, True, False), (2900, torch.float32, None, True, False, True),
+         (700, torch.float32, None, True, True, True), (2900, torch.bfloat16, 30.0, False, True, True)]
+for V, dtype, softcap, on_scaled, histogram, preload in cases:
+    F.HISTOGRAM, F.PRELOAD_MAXIMA = histogram, preload
     x = torch.randn(6, 3, V)
     for r in range(6):
         for q in range(3):   # the top-k survivors and the top-p mass in one cluster (first tile, ragged last, ...)
@@ -253,10 +253,10 @@ print("cached tile maxima: triton == torch")
 
 
 def test_triton_thresholds_from_cached_tile_maxima_in_the_interpreter():
-    """Passes after a row's first decide a tile from its cached maximum (filled by count pass 0, or by
-    the log-normaliser pass where the row asks no top-k): rows asking top-k only, top-p only, both and
-    neither in one batch, the survivors clustered in one tile (later passes skip the rest), several
-    splits, a ragged last split and tile, a split narrower than SPLIT, both count paths."""
+    """Passes decide a tile from its cached maximum (read first for every row asking a filter; loaded a
+    tile at a time or the split's at once): rows asking top-k only, top-p only, both and neither in one
+    batch, the survivors clustered in one tile (later passes skip the rest), several splits, a ragged
+    last split and tile, a split narrower than SPLIT, both count paths."""
     run_interpreted(CACHED_CHECK, "cached tile maxima: triton == torch", timeout=300)
 
 
@@ -327,6 +327,29 @@ def test_top_k_bound_is_the_kth_largest_tile_maximum():
     assert tie[1] == x[1].max()
     entries = x.reshape(6, 64)
     assert (bound[:2] <= entries[:2].topk(3).values[:, 2]).all()
+
+
+def test_first_mass_pass_normalises_like_logsumexp():
+    """Mass pass 0 sums exp(v - ref) per split, ref the split's largest survivor (-inf where none
+    survives); normalise_first_pass turns those sums into the normaliser logsumexp(v) over every survivor
+    and the pass's totals into probabilities, without a NaN for a split or a row with no survivor."""
+    from model.kernels.filters import normalise_first_pass
+
+    torch.manual_seed(0)
+    v = torch.randn(3, 4, 50) * 6   # [R * P, splits, entries]
+    v[0, 1] = -torch.inf            # a split with no survivor
+    v[2] = -torch.inf               # a row with none at all
+    ref = v.amax(-1)
+    rel = torch.exp(v - torch.where(torch.isfinite(ref), ref, 0.0)[..., None])
+    member = torch.rand(16, 50) < torch.linspace(1, 0.05, 16)[:, None]   # candidate d's entries
+    member[0] = True                # candidate 0 is every survivor
+    first = torch.einsum("nse,de->nsd", rel, member.float())
+    lognorm = normalise_first_pass(first, ref, TP1)
+    assert torch.allclose(lognorm[:2], torch.logsumexp(v[:2].flatten(1), 1), rtol=1e-6)
+    assert lognorm[2] == -torch.inf and not first.isnan().any() and (first[2] == 0).all()
+    probs = torch.exp(v[:2] - lognorm[:2, None, None])
+    assert torch.allclose(first[:2], torch.einsum("nse,de->nsd", probs, member.float()), rtol=1e-5, atol=1e-7)
+    assert torch.allclose(first[:2, :, 0].sum(1), torch.ones(2), rtol=1e-5)
 
 
 def test_triton_thresholds_at_tp2_equal_tp1_in_the_interpreter(tmp_path, monkeypatch):

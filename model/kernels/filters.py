@@ -12,15 +12,19 @@ reads the same totals, so all agree), then totals its split's entries at or abov
 prefix + d << shift. Between passes, with tensor parallelism, one SUM all-reduce makes the totals global.
 In all:
 
+    maxima  one read of every filtered row: each CACHE_TILE tile's largest logit, and per row asking
+            top-k the bound L (below)
     top-k   BITS/4 count passes
-    top-p   a log-normaliser pass over the top-k survivors, then BITS/4 mass passes
+    top-p   BITS/4 mass passes over the top-k survivors; the first also gives the normaliser, the
+            last counts keys
     finish  the thresholds v(x_t), -inf for rows asking neither
 
-about ten launches whatever the batch asks; a row that asks for neither filter exits every pass at
-once. The threshold is computed by `decided_value`, the code the statistics kernels
-(model/kernels/vocab_stats.py) apply to every entry, so the entry x_t always passes its own threshold.
+about ten launches whatever the batch asks (plus a few small torch ops: L's sort, the normaliser's
+rescaling); a row that asks for neither filter exits every pass at once. The threshold is computed by
+`decided_value`, the code the statistics kernels (model/kernels/vocab_stats.py) apply to every entry, so
+the entry x_t always passes its own threshold.
 
-Why the passes are cheap (each should cost little more than reading the split once):
+Why the passes are cheap (each should cost little more than reading what it reaches once):
   - a count pass does not compare every entry with 16 candidates: it bins each entry by its digit,
     (key - prefix) >> shift clamped to "above" (bin 0: below the prefix or past the slice), and takes
     one 32-bin tl.histogram per tile (warp ballots on the GPU); the candidates' counts are the
@@ -30,14 +34,20 @@ Why the passes are cheap (each should cost little more than reading the split on
     candidates of its own entries and the per-entry work (tanh, exp, the key) is done once per entry
     (with the candidates along the last axis, triton spreads them over lanes and every lane redoes the
     per-entry work of the entries it shares).
+  - except the last (KEY_MASS): its 16 digits are single keys, and a key is one value with one
+    probability, so it takes a count histogram like a count pass and multiplies each key's count by the
+    key's probability, 16 exps a program instead of a tanh and an exp an entry. Its totals leave out the
+    mass past its 16 keys, which the earlier passes already summed: the total of the latest pass whose
+    digit was not its largest, at the candidate after it (_mass_past, added where the finish decides).
+  - no pass of its own for the normaliser log sum exp(v): mass pass 0's candidate 0 (prefix 0: every
+    survivor) is that sum. Pass 0 cannot divide by a normaliser it is computing, so it sums exp(v - ref),
+    ref the split's largest surviving value, known beforehand from the tile maxima (v is
+    non-decreasing); normalise_first_pass then combines the splits' (ref, sum) pairs by rescaling (over
+    the ranks too: a MAX and a SUM all-reduce) and rescales pass 0's totals to the normaliser.
   - passes skip a tile from its maximum logit alone: an entry counts in no candidate below the pass's
     prefix, and no entry of a tile survives top-k when its largest value does not (v is non-decreasing).
-  - and they know that maximum before reading the tile: each CACHE_TILE tile's largest logit is kept by
-    the row's first read of the logits (a read of maxima alone for rows asking top-k, the log-normaliser
-    pass for rows asking top-p alone), and later passes read a split's maxima in one load and a tile only
-    where it reaches (a count pass, of a count tile that reaches, only the cached tiles that do: masked
-    lanes load nothing), so a skipped tile costs neither its read nor the latency of a load (per rank:
-    each keeps the maxima of its own slice).
+    They know that maximum before reading the tile (the maxima read above), so a skipped tile costs
+    neither its read nor the latency of a load (per rank: each keeps the maxima of its own slice).
   - top-k passes skip from the start, not only once the prefix has narrowed: the k-th largest of a
     row's tile maxima, L, is a lower bound of its k-th largest logit (the k largest maxima are k
     entries), so tiles whose maximum is below L hold no survivor. Skipping them undercounts only
