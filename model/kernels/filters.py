@@ -13,14 +13,14 @@ prefix + d << shift. Between passes, with tensor parallelism, one SUM all-reduce
 In all:
 
     maxima  one read of every filtered row: each CACHE_TILE tile's largest logit, and per row asking
-            top-k the bound L (below)
+            top-k the bound L (below: a bisection over the maxima's keys)
     top-k   BITS/4 count passes
     top-p   BITS/4 mass passes over the top-k survivors; the first also gives the normaliser, the
             last counts keys
     finish  the thresholds v(x_t), -inf for rows asking neither
 
-about ten launches whatever the batch asks (plus a few small torch ops: L's sort, the normaliser's
-rescaling); a row that asks for neither filter exits every pass at once. The threshold is computed by
+about a dozen launches whatever the batch asks (plus the normaliser's rescaling, a few small torch
+ops); a row that asks for neither filter exits every pass at once. The threshold is computed by
 `decided_value`, the code the statistics kernels (model/kernels/vocab_stats.py) apply to every entry, so
 the entry x_t always passes its own threshold.
 
@@ -165,6 +165,23 @@ def _tile_max_kernel(x_ptr, top_k_ptr, top_p_ptr, tile_max_ptr, P, V, splits, SP
             x = tl.load(row_ptr + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
             first = off // TILE
             tl.store(cache + first + sub, tl.max(tl.reshape(x, (SUB, TILE)), 1), mask=first + sub < TILES)
+
+
+@triton.jit
+def _top_k_bound_kernel(tile_max_ptr, top_k_ptr, bound_ptr, P, COUNT: tl.constexpr, COUNT_P2: tl.constexpr):
+    """bound[n]: the k-th largest of row position n's COUNT tile maxima, ties counted: the largest key t
+    with count(keys >= t) >= k, found a bit at a time from the top (a bisection on the maxima's 32-bit
+    keys, no sort); -inf where the row asks no top-k or k exceeds COUNT."""
+    n = tl.program_id(0)
+    k = tl.load(top_k_ptr + n // P)
+    i = tl.arange(0, COUNT_P2)
+    inside = i < COUNT
+    keys = _logit_keys(tl.load(tile_max_ptr + n.to(tl.int64) * COUNT + i, mask=inside, other=0.0), 32).to(tl.int64)
+    t = tl.zeros((), tl.int64)
+    for j in tl.static_range(32):   # bit 31 - j: kept where the keys at or above it still number k
+        candidate = t + (1 << (31 - j))
+        t = tl.where(tl.sum((inside & (keys >= candidate)).to(tl.int32), 0) >= k, candidate, t)
+    tl.store(bound_ptr + n, tl.where((k > 0) & (k <= COUNT), _key_logit(t, 32), -float("inf")))
 
 
 # the pass and its digit's shift are runtime values (one compiled kernel per mode serves every pass: a
@@ -344,11 +361,12 @@ def softcap_operands(softcap: float | None) -> tuple[float, float]:
 def top_k_bound(tile_max: torch.Tensor, top_k: torch.Tensor, P: int) -> torch.Tensor:
     """[R * P]: L, the k-th largest of each row position's tile maxima [R * P, splits, tiles] (its own
     rank's), a lower bound of its k-th largest logit; -inf where the row asks no top-k or k exceeds its
-    tiles. Maxima of rows asking no top-k were never written: whatever they hold is not read."""
-    ranked = tile_max.flatten(1).sort(dim=1, descending=True).values
-    k = top_k.repeat_interleave(P).view(-1, 1)
-    kth = ranked.gather(1, (k - 1).clamp(0, ranked.shape[1] - 1)).squeeze(1)
-    return torch.where((k.squeeze(1) > 0) & (k.squeeze(1) <= ranked.shape[1]), kth, -torch.inf)
+    tiles. Maxima of rows asking no filter were never written: whatever they hold is not read."""
+    RP, count = tile_max.shape[0], tile_max[0].numel()
+    bound = torch.empty(RP, dtype=torch.float32, device=tile_max.device)
+    _top_k_bound_kernel[(RP,)](tile_max.contiguous(), top_k.contiguous(), bound, P, COUNT=count,
+                               COUNT_P2=triton.next_power_of_2(count))
+    return bound
 
 
 def normalise_first_pass(first: torch.Tensor, ref: torch.Tensor, tp: TPGroup) -> torch.Tensor:
