@@ -126,7 +126,7 @@ def launch_profile(fn, runs: int = 3) -> dict:
     """The CUDA kernels of one eager fn() in launch order, each with its device time (the median of runs,
     us), and the call's busy and span time. span - busy is the GPU idling between the eager launches,
     the profiler's own overhead included (so an upper bound; a CUDA graph's replay idles far less). The
-    thresholds launch, in order: the tile maxima, the top-k bound (a torch sort), the count passes (4
+    thresholds launch, in order: the tile maxima, the top-k bound, the count passes (4
     for bf16 logits, 8 for fp32), the top-k logit, the mass passes (the normaliser's torch ops after the
     first), the finish."""
     from torch.autograd import DeviceType
