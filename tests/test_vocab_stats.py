@@ -206,6 +206,18 @@ for split, count_block, mass_block in [(F.SPLIT, F.COUNT_BLOCK, F.MASS_BLOCK), (
         assert torch.equal(torch.isinf(a), torch.isinf(b)) and torch.isinf(a[3]).all() and torch.isfinite(a[:3]).all()
         tol = 0 if softcap is None else 1e-5   # the interpreter's tanh is not torch's to the last bit
         assert torch.allclose(a, b, rtol=tol, atol=0), (split, V, dtype, a, b)
+# bf16 logits below 0, so the thresholds are negative (a negative key's dropped low bits must decode back
+# as zeros: the last mass pass weighs each key by its value), and, undivided, a k-th largest that is -inf
+for softcap, on_scaled in [(None, True), (30.0, False)]:
+    x = (torch.randn(4, 3, 2000) * 1.5 - 8).to(torch.bfloat16)
+    if softcap is None:
+        x[0, 1, 3:] = float("-inf")   # 3 finite entries and k = 5
+    temp = torch.tensor([1.0, 0.7, 1.0, 0.0])
+    top_k, top_p = torch.tensor([5, 0, 40, 3]), torch.tensor([1.0, 0.9, 0.8, 0.5])
+    a = torch_threshold(x, temp, top_k, top_p, 0, TPGroup(), softcap=softcap, on_scaled=on_scaled)
+    b = triton_threshold(x, temp, top_k, top_p, 0, TPGroup(), softcap=softcap, on_scaled=on_scaled)
+    assert torch.equal(torch.isinf(a), torch.isinf(b)) and not b.isnan().any() and (a[a.isfinite()] < 0).all()
+    assert torch.allclose(a, b, rtol=0 if softcap is None else 1e-5, atol=0), (softcap, a, b)
 print("thresholds: triton == torch")
 """
 
@@ -213,8 +225,8 @@ print("thresholds: triton == torch")
 def test_triton_thresholds_equal_torch_in_the_interpreter():
     """The filters' radix select over the raw logits' keys (model/kernels/filters.py) finds the thresholds
     torch's select over the decided values finds: top-k, top-p, both and neither, fp32 logits divided by
-    T and bf16 logits softcapped, a tie, -inf entries, a vocabulary offset, a saturated softcap, and
-    several splits and tiles a row."""
+    T and bf16 logits softcapped, a tie, -inf entries, a vocabulary offset, a saturated softcap,
+    several splits and tiles a row, negative bf16 thresholds and a k-th largest logit of -inf."""
     run_interpreted(THRESHOLD_CHECK, "thresholds: triton == torch", timeout=300)
 
 

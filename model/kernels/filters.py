@@ -121,7 +121,9 @@ def _logit_keys(x, BITS: tl.constexpr):
 def _key_logit(key, BITS: tl.constexpr):
     """The fp32 logit of a key of _logit_keys (held in int64)."""
     ordered = ((key - (1 << (BITS - 1))) << (32 - BITS)).to(tl.int32)
-    return tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    bits = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF)
+    # a negative value's low 32 - BITS bits were flipped to ones, which the key dropped: zeros again
+    return (bits & -(1 << (32 - BITS))).to(tl.float32, bitcast=True)
 
 
 @triton.jit
