@@ -353,12 +353,14 @@ def run_tp_worker(world_size: int, workdir: Path, model_dir: Path | None, timeou
 def filter_case(V: int = 3000, seed: int = 3) -> dict:
     """Logits and asks for the filters' passes at TP = N against TP = 1: rows asking top-k only (k = 5),
     top-p only, both (k = 3 and k = 40) and neither; survivors clustered in one rank's slice in some
-    rows, spread over both in others; fp32 divided by T and bf16 softcapped."""
+    rows, spread over both in others; a position whose logits are all negative; fp32 divided by T and bf16
+    softcapped."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(5, 3, V, generator=gen) * 3
     x[0, 1, V // 3:V // 3 + 10] = 14.0 + torch.randn(10, generator=gen)   # rank 0's slice only
     x[2, 0, V - 40:V - 30] = 14.0 + torch.randn(10, generator=gen)        # the last rank's only
     x[4, 2, :200] = -torch.inf
+    x[1, 2] = torch.randn(V, generator=gen) * 1.5 - 8.0   # every logit below 0: a negative top-p threshold
     return {"x": x, "temperature": torch.tensor([0.7, 1.0, 1.3, 0.0, 2.0]),
             "top_k": torch.tensor([5, 0, 3, 0, 40]), "top_p": torch.tensor([1.0, 0.6, 0.9, 1.0, 0.8]),
             "kinds": [(torch.float32, None, True), (torch.bfloat16, 30.0, False)]}
