@@ -241,17 +241,22 @@ def test_cuda_graph_set_serves_every_option_mix(family, tiny_nemotron, tiny_gemm
             assert max(abs(a - b) for a, b in zip(g[1], x[1])) < 1e-3
 
 
-@pytest.mark.parametrize("family,dtype", [("nemotron", "bfloat16"), ("nemotron", "float32"), ("gemma", "bfloat16")])
-def test_triton_thresholds_equal_torch(family, dtype):
+@pytest.mark.parametrize("family,dtype,offset", [("nemotron", "bfloat16", 0.0), ("nemotron", "float32", 0.0),
+                                                 ("gemma", "bfloat16", 0.0), ("nemotron", "bfloat16", -8.0),
+                                                 ("gemma", "bfloat16", -8.0)])
+def test_triton_thresholds_equal_torch(family, dtype, offset):
     """The filters' thresholds on full-size vocabularies in bf16 (16-bit keys) and fp32 (32-bit): triton's
-    radix select over the raw logits' keys against torch's over the decided values."""
+    radix select over the raw logits' keys against torch's over the decided values; with the logits
+    shifted below 0 too (negative bf16 keys decode back to their own values)."""
     from model.kernels.filters import triton_threshold
     from model.parallel.group import TPGroup
     from model.sampling.filters import torch_threshold
 
     R, P, V, kw = (4, 32, 131072, dict(on_scaled=True)) if family == "nemotron" else \
         (4, 256, 262144, dict(softcap=30.0, on_scaled=False))
-    x = (torch.randn(R, P, V, generator=torch.Generator().manual_seed(0)) * 3).to(getattr(torch, dtype)).cuda()
+    scale = 3.0 if offset == 0 else 1.5
+    x = (torch.randn(R, P, V, generator=torch.Generator().manual_seed(0)) * scale + offset).to(getattr(torch, dtype))
+    x = x.cuda()
     temp = torch.tensor([0.7, 0.0, 1.3, 1.0], device="cuda")
     top_k = torch.tensor([5, 0, 499, 0], device="cuda")
     top_p = torch.tensor([1.0, 0.5, 0.9, 1.0], device="cuda")
