@@ -69,8 +69,8 @@ TINY = {   # --tiny: the same kinds, small enough for the interpreter
 ASKS = ("mixed", "k40p0.9", "p0.9", "none", "traffic")
 # --sweep: settings of the kernel's module constants, each on top of its defaults (the first: none)
 SETTINGS = ("SPLIT", "COUNT_BLOCK", "MASS_BLOCK", "CACHE_TILE", "NUM_WARPS", "HISTOGRAM", "PRELOAD_MAXIMA")
-SWEEP = [{}, {"PRELOAD_MAXIMA": False}, {"COUNT_BLOCK": 1024}, {"SPLIT": 8192}, {"SPLIT": 32768},
-         {"SPLIT": 32768, "PRELOAD_MAXIMA": False}, {"MASS_BLOCK": 256, "CACHE_TILE": 256}, {"NUM_WARPS": 8}]
+SWEEP = [{}, {"PRELOAD_MAXIMA": True}, {"COUNT_BLOCK": 1024}, {"SPLIT": 8192}, {"SPLIT": 32768},
+         {"SPLIT": 32768, "PRELOAD_MAXIMA": True}, {"MASS_BLOCK": 256, "CACHE_TILE": 256}, {"NUM_WARPS": 8}]
 SWEEP_CASES = [("dg8", "traffic"), ("dg8", "mixed"), ("dg8", "p0.9"), ("dg1", "traffic"), ("nem16_bf16", "traffic"),
                ("nem16_fp32", "traffic")]
 
