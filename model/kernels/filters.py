@@ -285,10 +285,10 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
                     else:
                         acc += (d[:, None] < binned[None, :]).to(tl.float32)
         if MODE == KEY_MASS:   # a digit's key is one value: its probability, 0 where top-k drops it
-            keys = prefix + d
-            key_v = decided_value(_key_logit(keys, BITS), t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED,
+            # (the last prefix ends in 4 zero bits, so prefix + d is a key for every d)
+            key_v = decided_value(_key_logit(prefix + d, BITS), t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED,
                                   INTERPRETED)
-            weights = tl.where((keys < (1 << BITS)) & (key_v >= thr), tl.exp(key_v - log_scale), 0.0)
+            weights = tl.where(key_v >= thr, tl.exp(key_v - log_scale), 0.0)
     out = (n * splits + split) * NC
     if MODE == MASS:
         if PASS == 0:
