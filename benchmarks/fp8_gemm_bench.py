@@ -1,10 +1,11 @@
 """Dense FP8 GEMMs at few rows, on the GPU host: cuBLAS's FP8 GEMM (torch._scaled_mm), what the served
 FP8 dense layers run (model.kernels.fp8.scaled_linear: cuBLAS's, or the split-K kernel where it wins),
 model.kernels.invariant's split-K matmul with FP8 operands (the batch-invariant mode's), and cuBLAS's
-BF16 GEMM, at the 8B's four projection shapes and 32 / 128 / 512 rows (the 8B at
-batch 1, 4 and 16 canvases of 32), against the FP8 weight-read floor at --bandwidth.
+BF16 GEMM, at one family's projection shapes (`--family`): the 8B's four at 32 / 128 / 512 rows (batch 1,
+4 and 16 canvases of 32), DiffusionGemma 26B-A4B's six (sliding and full layers' attention, the dense
+MLP) at 256 / 1024 rows (1 and 4 canvases); against the FP8 weight-read floor at --bandwidth.
 
-    PYTHONPATH=. python3 benchmarks/fp8_gemm_bench.py [--json FILE]
+    PYTHONPATH=. python3 benchmarks/fp8_gemm_bench.py [--family diffusion-gemma] [--json FILE]
 
 Each call is timed as the mean of 200 replays inside one CUDA graph (after 10 warm-up calls), which
 hides launch gaps as the served step's graphs do. The two FP8 kernels are also compared with each other
@@ -20,9 +21,12 @@ from pathlib import Path
 
 import torch
 
-# the 8B's projections: name -> (N, K)
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-ROWS = (32, 128, 512)
+# family -> ({projection: (N, K)}, rows): the 8B's; DiffusionGemma's sliding (qkv 16 + 2 x 8 heads of 256)
+# and full (16 heads of 512 + one K = V head pair) attention layers and its dense MLP (intermediate 2112)
+SHAPES = {"nemotron-ld": ({"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+                          (32, 128, 512)),
+          "diffusion-gemma": ({"qkv": (8192, 2816), "o": (2816, 4096), "qkv_full": (9216, 2816),
+                               "o_full": (2816, 8192), "gate_up": (4224, 2816), "down": (2816, 2112)}, (256, 1024))}
 
 
 def time_us(fn, reps: int = 200) -> float:
@@ -41,16 +45,17 @@ def time_us(fn, reps: int = 200) -> float:
     return start.elapsed_time(end) / reps * 1e3
 
 
-def measure(bandwidth: float) -> dict:
+def measure(bandwidth: float, family: str = "nemotron-ld") -> dict:
     from model.fp8 import quantize_per_channel, quantize_per_token
     from model.kernels.fp8 import scaled_linear
 
     result = {}
-    for name, (n, k) in SHAPES.items():
+    shapes, rows = SHAPES[family]
+    for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda") * 0.02
         wq, sw = quantize_per_channel(w)
         sw, wb = sw.float(), w.bfloat16()
-        for m in ROWS:
+        for m in rows:
             x = torch.randn(m, k, device="cuda").bfloat16()
             xq, sx = quantize_per_token(x)
             sx = sx[:, 0]
@@ -71,12 +76,13 @@ def measure(bandwidth: float) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", choices=list(SHAPES), default="nemotron-ld")
     parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s the floor assumes")
     parser.add_argument("--json", type=Path, help="where the JSON goes (default: $OUT/fp8_gemm_bench.json if $OUT)")
     opts = parser.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         sys.exit("fp8_gemm_bench needs a GPU with FP8 tensor cores (compute capability 8.9+)")
-    result = measure(opts.bandwidth)
+    result = measure(opts.bandwidth, opts.family)
     out = opts.json or (Path(os.environ["OUT"]) / "fp8_gemm_bench.json" if os.environ.get("OUT") else None)
     if out is not None:
         out.write_text(json.dumps(result, indent=1))

@@ -1,0 +1,95 @@
+"""DiffusionGemma 26B-A4B's FP8 experts on the GPU host: our triton grouped kernel (model.kernels.invariant's,
+FP8 operands, as GemmaExperts.scaled runs it) at a sweep of tile shapes, and CUTLASS's grouped FP8 GEMM
+(torch._scaled_grouped_mm), for each projection (gate_up [128, 1408, 2816] over the tokens' rows, read in
+place; down [128, 2816, 704] over the pairs' rows) at 1 and 4 canvases (256 and 1024 tokens, top-8 of 128
+experts: 16 and 64 rows an expert), against the FP8 weight-read floor at --bandwidth.
+
+    PYTHONPATH=. python3 benchmarks/fp8_experts_bench.py [--json FILE]
+
+The routing is the served one (model.kernels.routing over random router scores). Each call is timed as
+the mean of 50 replays in one CUDA graph (benchmarks.fp8_gemm_bench.time_us). Each tile's output is
+compared with the served tiles' (max |a - b| / max |a|): tiles change only where the MMAs split K, so
+anything above a few 1e-3 is a bug, not rounding.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+E, HIDDEN, INTERMEDIATE, TOP_K = 128, 2816, 704, 8
+TOKENS = (256, 1024)
+# (rows, columns, K a step, warps, stages); the first is what the served path runs (FP8_GROUPED_TILES)
+SWEEP = ((64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (64, 128, 128, 4, 4), (64, 64, 128, 4, 4),
+         (64, 256, 128, 8, 3), (64, 128, 256, 8, 2), (64, 128, 256, 8, 3), (64, 64, 256, 4, 3),
+         (64, 256, 64, 8, 4), (64, 128, 64, 4, 5), (128, 128, 128, 8, 3))
+
+
+def problems(tokens: int, device: str = "cuda"):
+    """(name, xq, sx, rows or None, wq [E, N, K], sw [E, N], ends, floor bytes) of both projections."""
+    from model.fp8 import quantize_per_channel, quantize_per_token
+    from model.kernels.routing import route, sort_pairs
+
+    gen = torch.Generator(device=device).manual_seed(tokens)
+    scores = torch.randn(tokens, E, device=device, generator=gen)
+    _, ids = route(scores, torch.ones(E, device=device), TOP_K)
+    token, _, ends, *_ = sort_pairs(ids, E, 64)
+    for name, n, k, rows in (("gate_up", 2 * INTERMEDIATE, HIDDEN, token), ("down", HIDDEN, INTERMEDIATE, None)):
+        x = torch.randn(tokens if rows is not None else tokens * TOP_K, k, device=device, generator=gen).bfloat16()
+        xq, sx = quantize_per_token(x)
+        wq, sw = quantize_per_channel(torch.randn(E, n, k, device=device, generator=gen) * 0.02)
+        yield name, xq, sx[:, 0].float(), rows, wq, sw[..., 0].float(), ends, E * n * k
+
+
+def measure(bandwidth: float) -> dict:
+    from benchmarks.fp8_gemm_bench import time_us
+    from model.kernels.fp8 import grouped_in_cutlass
+    from model.kernels.invariant import Tiles, grouped_matmul, make_tile_map
+
+    result = {}
+    for tokens in TOKENS:
+        for name, xq, sx, rows, wq, sw, ends, floor_bytes in problems(tokens):
+            p = tokens * TOP_K
+            row = {"floor_us": floor_bytes / bandwidth * 1e6}
+            ref = None
+            for shape in SWEEP:
+                tiles = Tiles(*shape)
+                tile_map = make_tile_map(ends, -(-p // tiles.m) + E, tiles.m)
+                fn = lambda: grouped_matmul(xq, wq, ends, rows, tile_map, tiles, sx, sw, torch.bfloat16)  # noqa: E731
+                try:
+                    us = time_us(fn, 50)
+                except Exception as err:   # a tile that does not fit is a row of the sweep, not its end
+                    row[str(shape)] = repr(err)[:120]
+                    continue
+                out = fn().float()
+                ref = out if ref is None else ref
+                row[str(shape)] = {"us": us, "over_floor": us / row["floor_us"],
+                                   "max_rel_diff": ((out - ref).abs().max() / ref.abs().max()).item()}
+            row["cutlass_us"] = time_us(lambda: grouped_in_cutlass(xq, sx, wq, sw, ends, rows, torch.bfloat16), 50)
+            result[f"{name}_t{tokens}"] = row
+            best = min((v["us"], k) for k, v in row.items() if isinstance(v, dict))
+            print(f"{name:<8}{tokens:>5}  floor {row['floor_us']:.1f} us  served {row[str(SWEEP[0])]['us']:.1f}  "
+                  f"best {best[0]:.1f} {best[1]}  cutlass {row['cutlass_us']:.1f}", flush=True)
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s the floor assumes")
+    parser.add_argument("--json", type=Path, help="where the JSON goes (default: $OUT/fp8_experts_bench.json if $OUT)")
+    opts = parser.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        sys.exit("fp8_experts_bench needs a GPU with FP8 tensor cores (compute capability 8.9+)")
+    result = measure(opts.bandwidth)
+    out = opts.json or (Path(os.environ["OUT"]) / "fp8_experts_bench.json" if os.environ.get("OUT") else None)
+    if out is not None:
+        out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
