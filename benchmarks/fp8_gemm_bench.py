@@ -5,7 +5,10 @@ BF16 GEMM, at one family's projection shapes (`--family`): the 8B's four at 32 /
 4 and 16 canvases of 32), DiffusionGemma 26B-A4B's six (sliding and full layers' attention, the dense
 MLP) at 256 / 1024 rows (1 and 4 canvases); against the FP8 weight-read floor at --bandwidth.
 
-    PYTHONPATH=. python3 benchmarks/fp8_gemm_bench.py [--family diffusion-gemma] [--json FILE]
+    PYTHONPATH=. python3 benchmarks/fp8_gemm_bench.py [--family diffusion-gemma] [--sweep] [--json FILE]
+
+`--sweep` also times the triton FP8 matmul at each of SWEEP_TILES x SWEEP_SPLITS (`triton_sweep_us`, the
+fastest named in `triton_best`): what a per-shape choice for the served dense layers would be made from.
 
 Each call is timed as the mean of 200 replays inside one CUDA graph (after 10 warm-up calls), which
 hides launch gaps as the served step's graphs do. The two FP8 kernels are also compared with each other
@@ -28,6 +31,11 @@ SHAPES = {"nemotron-ld": ({"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (2
           "diffusion-gemma": ({"qkv": (8192, 2816), "o": (2816, 4096), "qkv_full": (9216, 2816),
                                "o_full": (2816, 8192), "gate_up": (4224, 2816), "down": (2816, 2112)}, (256, 1024))}
 
+# the triton FP8 matmul's sweep: (rows, columns, K a step, warps, stages) x K-splits
+SWEEP_TILES = ((64, 64, 128, 4, 4), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (128, 128, 128, 8, 3),
+               (64, 128, 256, 4, 3))
+SWEEP_SPLITS = (1, 2, 4)
+
 
 def time_us(fn, reps: int = 200) -> float:
     for _ in range(10):
@@ -45,9 +53,10 @@ def time_us(fn, reps: int = 200) -> float:
     return start.elapsed_time(end) / reps * 1e3
 
 
-def measure(bandwidth: float, family: str = "nemotron-ld") -> dict:
+def measure(bandwidth: float, family: str = "nemotron-ld", sweep: bool = False) -> dict:
     from model.fp8 import quantize_per_channel, quantize_per_token
     from model.kernels.fp8 import scaled_linear
+    from model.kernels.invariant import Tiles, matmul
 
     result = {}
     shapes, rows = SHAPES[family]
@@ -69,20 +78,31 @@ def measure(bandwidth: float, family: str = "nemotron-ld") -> dict:
             a = cublas().float()
             b = scaled_linear(xq, sx, wq, sw, torch.bfloat16, invariant=True).float()
             row["max_rel_diff"] = ((a - b).abs().max() / a.abs().max()).item()
+            if sweep:
+                row["triton_sweep_us"] = {
+                    f"{tiles} x{splits}": time_us(lambda: matmul(xq, wq, Tiles(*tiles), sx, sw.view(-1), torch.bfloat16,
+                                                                 splits), 50)
+                    for tiles in SWEEP_TILES for splits in SWEEP_SPLITS}
+                row["triton_best"] = min(row["triton_sweep_us"], key=row["triton_sweep_us"].get)
             result[f"{name}_m{m}"] = row
-            print(f"{name:<8}{m:>5}  " + "  ".join(f"{key}={value:.4g}" for key, value in row.items()), flush=True)
+            print(f"{name:<8}{m:>5}  " + "  ".join(f"{key}={value:.4g}" for key, value in row.items()
+                                                   if isinstance(value, float)), flush=True)
+            if sweep:
+                print(f"{'':13}triton best {row['triton_best']}: {row['triton_sweep_us'][row['triton_best']]:.4g}",
+                      flush=True)
     return result
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", choices=list(SHAPES), default="nemotron-ld")
+    parser.add_argument("--sweep", action="store_true", help="also the triton FP8 matmul's tiles and K-splits")
     parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s the floor assumes")
     parser.add_argument("--json", type=Path, help="where the JSON goes (default: $OUT/fp8_gemm_bench.json if $OUT)")
     opts = parser.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         sys.exit("fp8_gemm_bench needs a GPU with FP8 tensor cores (compute capability 8.9+)")
-    result = measure(opts.bandwidth, opts.family)
+    result = measure(opts.bandwidth, opts.family, opts.sweep)
     out = opts.json or (Path(os.environ["OUT"]) / "fp8_gemm_bench.json" if os.environ.get("OUT") else None)
     if out is not None:
         out.write_text(json.dumps(result, indent=1))

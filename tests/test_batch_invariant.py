@@ -23,6 +23,9 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         y = K.matmul(x, w)
         ref = x.double() @ w.double().T
         assert ((y.double() - ref).abs().max() / ref.abs().max()) < tol, (dtype, n, k)
+        for splits in (1, 3):                        # fp8_gemm_bench's override of k_splits
+            ys = K.matmul(x, w, splits=splits)
+            assert ((ys.double() - ref).abs().max() / ref.abs().max()) < tol, (dtype, n, k, splits)
         for lo, hi in ((5, 6), (3, 40), (0, 70)):   # row 5 alone, at offset 2 of 37 rows, in all 70
             assert torch.equal(K.matmul(x[lo:hi], w)[5 - lo], y[5]), (dtype, n, k, lo, hi)
         wt = torch.randn(k, n, dtype=dtype)          # a transposed view (the self-conditioning table)
