@@ -54,6 +54,14 @@ serve: $(STAMP)
 bench:
 	python3 -m benchmarks.roofline $(ARGS)
 
+# On the GPU host, like bench: the FP8 kernels' sweeps that choose tiles for DiffusionGemma (about 2-4
+# minutes, mostly compiles): the experts' grouped kernel per projection at 1 and 4 canvases against the read
+# floor and CUTLASS, then the dense projections' cuBLAS against the triton matmul's tiles and K-splits.
+.PHONY: bench-fp8-kernels
+bench-fp8-kernels:
+	python3 -m benchmarks.fp8_experts_bench
+	python3 -m benchmarks.fp8_gemm_bench --family diffusion-gemma --sweep
+
 # On the GPU host, like bench: issue 23's rows under real traffic for one family, from one cold start of
 # a served full-size shape (5-7 minutes on one H200). FAMILY=nemotron-ld|diffusion-gemma; TREE=path
 # serves another checkout (before/after with the same client); ARGS= more flags (--help lists them;
