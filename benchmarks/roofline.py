@@ -29,6 +29,9 @@ self-conditioning, and the kernels whose time differs between the two: what SC's
       profile (benchmarks/tp_bench.py)
 
     python3 -m benchmarks.roofline [--out result.json] [--skip served,transformers,profile,invariant,traffic,fp8,tp]
+
+e.g. `--skip bf16,nemotron,traffic,tp`: DiffusionGemma's FP8 rows alone (its BF16 twin timed beside them,
+the FP8 step's profile), a few minutes.
 """
 from __future__ import annotations
 
@@ -441,20 +444,33 @@ def measure_traffic(work: Path, out: Path, family: str, extra: list[str] = (), t
         return {"family": family, "error": str(err), "server_log": str(opts.log)}
 
 
+def sections(skip: set[str]) -> tuple[list[str], list[str]]:
+    """The step sections (nemotron, gemma, fp8, tp) and the traffic rows (nemotron, gemma, fp8) that run
+    under --skip: a family's name skips its rows everywhere (the FP8 traffic row is DiffusionGemma's),
+    "bf16" the two families' BF16 sections and traffic rows but not FP8's BF16 twins."""
+    bf16 = {"nemotron", "gemma"} if "bf16" in skip else set()
+    steps = [s for s in ("nemotron", "gemma", "fp8", "tp") if s not in skip | bf16]
+    traffic = [] if "traffic" in skip else [
+        s for s in ("nemotron", "gemma", "fp8") if s not in skip | bf16 and (s != "fp8" or "gemma" not in skip)]
+    return steps, traffic
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "roofline.json")
     parser.add_argument("--work", type=Path, default=Path("/tmp/dllm-bench"))
     parser.add_argument("--skip", default="", help="comma list of: served, transformers, profile, invariant, "
-                                                   "traffic, fp8, tp, nemotron, gemma (a family's traffic too)")
+                                                   "traffic, fp8, tp, nemotron, gemma (a family's traffic too), "
+                                                   "bf16 (the families' BF16 sections; FP8's BF16 twins still run)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     bandwidth = copy_bandwidth()
     result["copy_bandwidth_bytes_per_s"] = bandwidth
+    steps, traffic = sections(skip)
     for name, fn in (("nemotron", nemotron), ("gemma", diffusion_gemma), ("fp8", fp8),
                      ("tp", lambda work, _, result, skip: tensor_parallel(work, result, skip))):
-        if name not in skip:
+        if name in steps:
             t = time.perf_counter()
             try:
                 fn(args.work, bandwidth, result, skip)
@@ -462,7 +478,7 @@ def main() -> None:
                 result[f"{name}_bench_s"] = time.perf_counter() - t
                 args.out.write_text(json.dumps(result, indent=2, default=str))
     for name, family in (("nemotron", "nemotron-ld"), ("gemma", "diffusion-gemma"), ("fp8", "diffusion-gemma")):
-        if "traffic" not in skip and name not in skip and (name != "fp8" or "gemma" not in skip):
+        if name in traffic:
             t = time.perf_counter()
             try:
                 if name == "fp8":   # the seed workload on the FP8 checkpoint users serve, at 1 and 4

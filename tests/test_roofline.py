@@ -42,3 +42,15 @@ def test_tp_speedups_and_allreduce_share():
     assert rows["P5 TP=1 / TP=2 step time, 8B batch 16"] == 1.8
     assert rows["P5 all-reduce share of a TP=2 step, 8B batch 1"] == 0.25
     assert rows["P5 TP=1 / TP=2 step time, 26B-A4B 1 canvas"] is None
+
+
+def test_skip_selects_sections():
+    """`--skip bf16,nemotron,...` runs DiffusionGemma's FP8 rows alone (a short GPU call); a family's name
+    skips its rows everywhere, the FP8 traffic row with DiffusionGemma's."""
+    from benchmarks.roofline import sections
+
+    assert sections(set()) == (["nemotron", "gemma", "fp8", "tp"], ["nemotron", "gemma", "fp8"])
+    assert sections({"bf16", "nemotron", "traffic", "tp"}) == (["fp8"], [])
+    assert sections({"bf16", "nemotron", "tp"}) == (["fp8"], ["fp8"])
+    assert sections({"gemma"}) == (["nemotron", "fp8", "tp"], ["nemotron"])
+    assert sections({"fp8", "traffic"}) == (["nemotron", "gemma", "tp"], [])
