@@ -14,12 +14,12 @@ anything above a few 1e-3 is a bug, not rounding.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
 import torch
+
+from benchmarks.fp8_gemm_bench import require_fp8_gpu, save, time_us
 
 E, HIDDEN, INTERMEDIATE, TOP_K = 128, 2816, 704, 8
 TOKENS = (256, 1024)
@@ -46,7 +46,6 @@ def problems(tokens: int, device: str = "cuda"):
 
 
 def measure(bandwidth: float) -> dict:
-    from benchmarks.fp8_gemm_bench import time_us
     from model.kernels.fp8 import grouped_in_cutlass
     from model.kernels.invariant import Tiles, grouped_matmul, make_tile_map
 
@@ -82,12 +81,8 @@ def main(argv=None) -> int:
     parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s the floor assumes")
     parser.add_argument("--json", type=Path, help="where the JSON goes (default: $OUT/fp8_experts_bench.json if $OUT)")
     opts = parser.parse_args(argv)
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
-        sys.exit("fp8_experts_bench needs a GPU with FP8 tensor cores (compute capability 8.9+)")
-    result = measure(opts.bandwidth)
-    out = opts.json or (Path(os.environ["OUT"]) / "fp8_experts_bench.json" if os.environ.get("OUT") else None)
-    if out is not None:
-        out.write_text(json.dumps(result, indent=1))
+    require_fp8_gpu("fp8_experts_bench")
+    save(measure(opts.bandwidth), opts.json, "fp8_experts_bench")
     return 0
 
 

@@ -100,13 +100,22 @@ def main(argv=None) -> int:
     parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s the floor assumes")
     parser.add_argument("--json", type=Path, help="where the JSON goes (default: $OUT/fp8_gemm_bench.json if $OUT)")
     opts = parser.parse_args(argv)
+    require_fp8_gpu("fp8_gemm_bench")
+    save(measure(opts.bandwidth, opts.family, opts.sweep), opts.json, "fp8_gemm_bench")
+    return 0
+
+
+def require_fp8_gpu(bench: str) -> None:
+    """Exits saying why where there is no GPU with FP8 tensor cores (the FP8 benchmarks' only host)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
-        sys.exit("fp8_gemm_bench needs a GPU with FP8 tensor cores (compute capability 8.9+)")
-    result = measure(opts.bandwidth, opts.family, opts.sweep)
-    out = opts.json or (Path(os.environ["OUT"]) / "fp8_gemm_bench.json" if os.environ.get("OUT") else None)
+        sys.exit(f"{bench} needs a GPU with FP8 tensor cores (compute capability 8.9+)")
+
+
+def save(result: dict, path: Path | None, bench: str) -> None:
+    """The result as JSON at `path`, else at $OUT/<bench>.json where $OUT is set (the device tool's)."""
+    out = path or (Path(os.environ["OUT"]) / f"{bench}.json" if os.environ.get("OUT") else None)
     if out is not None:
         out.write_text(json.dumps(result, indent=1))
-    return 0
 
 
 if __name__ == "__main__":
