@@ -113,6 +113,10 @@ for R, P, V, softcap, soft, vs, dtype in [(2, 3, 997, None, None, 0, torch.float
                                            (3, 1, 40000, None, None, 7, torch.float32)]:
     x = (torch.randn(R, P, V) * 4).to(dtype)
     x[0, 0, 5] = float("-inf")
+    # ties for a row's maximum: in one lane of the kernel's tiles (2048 apart) and across lanes, the later
+    # column first in a lane's order; the lower id wins
+    x[1, 0, 10] = x[1, 0, 10 + min(2048, V // 2)] = x[1, 0].max() + 1
+    x[0, P - 1, min(4000, V - 1)] = x[0, P - 1, 100] = x[0, P - 1].max() + 1
     temp = torch.tensor([0.7, 0.0, 1.3][:R])
     seed, counter = torch.tensor([5, 2**40 + 3, 9][:R]), torch.tensor([3, 1, 0][:R])
     thr = torch.full((R, P), -float("inf")); thr[0] = 2.0
@@ -121,6 +125,7 @@ for R, P, V, softcap, soft, vs, dtype in [(2, 3, 997, None, None, 0, torch.float
         a = S.vocab_stats(x, temp, seed, counter, vs, TPGroup(), **kw)
         b = S.vocab_stats(x, temp, seed, counter, vs, TPGroup(), passes=TRITON_PASSES, **kw)
         assert torch.equal(a.greedy, b.greedy) and torch.equal(a.sample, b.sample), (R, P, V)
+        assert b.greedy[1, 0] == vs + 10 and b.greedy[0, P - 1] == vs + 100, (R, P, V)
         for f in ("max_u", "lse_u", "lse_s", "entropy_u", "entropy_s", "lse_soft", "x_sample"):
             d = (getattr(a, f) - getattr(b, f)).abs().max().item()
             assert d < 1e-5 * max(1.0, getattr(a, f).abs().max().item()), (f, d)
