@@ -156,6 +156,7 @@ class OpenAIIngress:
                 if self.defaults[end] is None:
                     self.defaults[end] = getattr(checkpoint.renoise, end)
         self.model_ready = False   # once the coordinator said so: requests then go straight to it
+        self._held_stats: asyncio.Future | None = None   # the stats call Serve holds while no replica runs
         # the coordinator replicas' placement groups, for /health's reason and the placement timeout
         self.placement = PlacementWatch(serve.get_replica_context().app_name, self.args)
         self._watch = asyncio.get_running_loop().create_task(self.placement.run())
@@ -237,27 +238,47 @@ class OpenAIIngress:
         """A coordinator call's result; 503 with `reason` if no replica answers within timeout_s (while a
         replica warms up or waits for its placement group, Serve holds calls until one runs; reason None:
         say which of the two), or with Ray's reason if it failed."""
-        async def result():
-            return await response
         try:
-            return await asyncio.wait_for(result(), timeout_s)
+            return await asyncio.wait_for(self._answer(response), timeout_s)
         except asyncio.TimeoutError:
             response.cancel()
-            reason = reason or self.placement.reason() or WARMING_UP
-            raise APIError(503, reason, "service_unavailable", headers={"Retry-After": "5"}) from None
+            raise self._not_running(reason) from None
+
+    async def _answer(self, response):
+        """A coordinator call's result, its failure as a 503 saying why."""
+        try:
+            return await response
         except DeploymentUnavailableError as err:   # it failed to deploy: say why, if placement is why
             raise self._failed_to_deploy(err) from None
         except RayError as err:
             raise APIError(503, f"unhealthy: {_last_line(err)}", "service_unavailable",
                            headers={"Retry-After": "1"}) from None
 
+    def _not_running(self, reason: str | None = None) -> APIError:
+        """No replica runs: `reason`, else whether it waits for its placement group or warms up."""
+        return APIError(503, reason or self.placement.reason() or WARMING_UP, "service_unavailable",
+                        headers={"Retry-After": "5"})
+
     def _failed_to_deploy(self, err: DeploymentUnavailableError) -> APIError:
         reason = self.placement.reason()
         return APIError(503, err.message + (f" {reason}" if reason else ""), "service_unavailable")
 
     async def _ready_stats(self) -> dict:
-        """The coordinator's stats if it is ready; 503 with what it is doing otherwise."""
-        stats = await self._bounded(self.coordinator.stats.remote(), STATS_S)
+        """The coordinator's stats if it is ready; 503 with what it is doing otherwise. While no replica
+        runs, Serve holds the stats call until one does: the first caller waits STATS_S for it and leaves
+        it held, and every caller while it is still held gets the 503 at once (a load balancer polling
+        /health during a warm-up of minutes sees answers in milliseconds, not every STATS_S)."""
+        held = self._held_stats
+        if held is not None and not held.done():
+            raise self._not_running()
+        if held is not None and not held.cancelled():
+            held.exception()   # an answer that came after its caller left: retrieved, then dropped
+        self._held_stats = held = asyncio.ensure_future(self._answer(self.coordinator.stats.remote()))
+        done, _ = await asyncio.wait({held}, timeout=STATS_S)
+        if not done:
+            raise self._not_running()
+        self._held_stats = None
+        stats = held.result()
         if stats["state"] != "ready":
             raise APIError(503, STATE_REASON.get(stats["state"], stats["state"]), "service_unavailable",
                            headers={"Retry-After": "5"})

@@ -52,9 +52,11 @@ def test_health_is_503_while_warming_up_then_200(warming, tiny_nemotron):
     base, deployed = warming
     body = {"model": tiny_nemotron.name, "prompt": [1, 2, 3], "max_tokens": 4}
     seen_503 = False
+    answered_in = []   # seconds each 503 of /health took
     deadline = deployed + DELAY_S + 60
     while time.monotonic() < deadline:
         try:
+            asked = time.monotonic()
             r = httpx.get(f"{base}/health", timeout=10)
         except httpx.HTTPError:   # the ingress itself not up yet
             time.sleep(0.2)
@@ -67,6 +69,7 @@ def test_health_is_503_while_warming_up_then_200(warming, tiny_nemotron):
         assert r.status_code == 503, r.text
         error = assert_openai_error(r.json(), 503)
         assert error["type"] == "service_unavailable" and "warming up" in error["message"] and r.headers["retry-after"]
+        answered_in.append(time.monotonic() - asked)
         seen_503 = True
         start = time.monotonic()
         g = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
@@ -77,5 +80,7 @@ def test_health_is_503_while_warming_up_then_200(warming, tiny_nemotron):
     else:
         pytest.fail("/health never answered 200")
     assert seen_503, "the ingress came up only after the replica was ready: nothing was checked"
+    # the first caller waits STATS_S for the held stats call; while it stays held, every 503 comes at once
+    assert len(answered_in) >= 3 and max(answered_in[1:]) < 1.0, answered_in
     assert time.monotonic() - deployed >= DELAY_S - 1   # 200 only once the replica ran
     assert r.json()["status"] == "ok" and r.json()["free_slots"] == 2
