@@ -74,6 +74,7 @@ HEALTH_DETAIL = ("num_slots", "free_slots", "running", "waiting", "shard_failure
 # A running coordinator answers its stats at once; Serve holds a call while no replica runs (one starting
 # loads weights and captures CUDA graphs for minutes), so no answer within STATS_S means none is ready.
 STATS_S, SHARD_PING_S = 2.0, 15.0
+HELD_PROBE_S = 0.25   # a stats call's bound while an earlier one is still held (_ready_stats)
 WARMING_UP = "warming up: no model replica is ready yet (loading weights, capturing CUDA graphs)"
 STATE_REASON = {"starting": WARMING_UP, "rebuilding": "rebuilding the model shards after a failure",
                 "down": "the model shards are down and could not be rebuilt"}
@@ -266,19 +267,23 @@ class OpenAIIngress:
     async def _ready_stats(self) -> dict:
         """The coordinator's stats if it is ready; 503 with what it is doing otherwise. While no replica
         runs, Serve holds the stats call until one does: the first caller waits STATS_S for it and leaves
-        it held, and every caller while it is still held gets the 503 at once (a load balancer polling
-        /health during a warm-up of minutes sees answers in milliseconds, not every STATS_S)."""
+        it held, and every caller while it is still held waits HELD_PROBE_S at most (a load balancer
+        polling /health during a warm-up of minutes sees answers in a fraction of a second, not every
+        STATS_S)."""
         held = self._held_stats
         if held is not None and not held.done():
-            raise self._not_running()
-        if held is not None and not held.cancelled():
-            held.exception()   # an answer that came after its caller left: retrieved, then dropped
-        self._held_stats = held = asyncio.ensure_future(self._answer(self.coordinator.stats.remote()))
-        done, _ = await asyncio.wait({held}, timeout=STATS_S)
-        if not done:
-            raise self._not_running()
-        self._held_stats = None
-        stats = held.result()
+            # a fresh call still answers at once where a replica runs by now, or where the deployment
+            # failed meanwhile (Serve's reason, which the held call does not get)
+            stats = await self._bounded(self.coordinator.stats.remote(), HELD_PROBE_S)
+        else:
+            if held is not None and not held.cancelled():
+                held.exception()   # an answer that came after its caller left: retrieved, then dropped
+            self._held_stats = held = asyncio.ensure_future(self._answer(self.coordinator.stats.remote()))
+            done, _ = await asyncio.wait({held}, timeout=STATS_S)
+            if not done:
+                raise self._not_running()
+            self._held_stats = None
+            stats = held.result()
         if stats["state"] != "ready":
             raise APIError(503, STATE_REASON.get(stats["state"], stats["state"]), "service_unavailable",
                            headers={"Retry-After": "5"})
