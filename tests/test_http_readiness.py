@@ -80,7 +80,7 @@ def test_health_is_503_while_warming_up_then_200(warming, tiny_nemotron):
     else:
         pytest.fail("/health never answered 200")
     assert seen_503, "the ingress came up only after the replica was ready: nothing was checked"
-    # the first caller waits STATS_S for the held stats call; while it stays held, every 503 comes at once
+    # the first caller waits STATS_S for the held stats call; while it stays held, HELD_PROBE_S at most
     assert len(answered_in) >= 3 and max(answered_in[1:]) < 1.0, answered_in
     assert time.monotonic() - deployed >= DELAY_S - 1   # 200 only once the replica ran
     assert r.json()["status"] == "ok" and r.json()["free_slots"] == 2
