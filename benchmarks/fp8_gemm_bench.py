@@ -53,6 +53,14 @@ def time_us(fn, reps: int = 200) -> float:
     return start.elapsed_time(end) / reps * 1e3
 
 
+def _try_us(fn) -> float | str:
+    """time_us of a sweep's setting, or why it could not run (a tile that does not fit is a row, not the end)."""
+    try:
+        return time_us(fn, 50)
+    except Exception as err:
+        return repr(err)[:120]
+
+
 def measure(bandwidth: float, family: str = "nemotron-ld", sweep: bool = False) -> dict:
     from model.fp8 import quantize_per_channel, quantize_per_token
     from model.kernels.fp8 import scaled_linear
@@ -79,16 +87,16 @@ def measure(bandwidth: float, family: str = "nemotron-ld", sweep: bool = False) 
             b = scaled_linear(xq, sx, wq, sw, torch.bfloat16, invariant=True).float()
             row["max_rel_diff"] = ((a - b).abs().max() / a.abs().max()).item()
             if sweep:
-                row["triton_sweep_us"] = {
-                    f"{tiles} x{splits}": time_us(lambda: matmul(xq, wq, Tiles(*tiles), sx, sw.view(-1), torch.bfloat16,
-                                                                 splits), 50)
-                    for tiles in SWEEP_TILES for splits in SWEEP_SPLITS}
-                row["triton_best"] = min(row["triton_sweep_us"], key=row["triton_sweep_us"].get)
+                row["triton_sweep_us"] = {f"{tiles} x{splits}": _try_us(lambda: matmul(
+                    xq, wq, Tiles(*tiles), sx, sw.view(-1), torch.bfloat16, splits)) for tiles in SWEEP_TILES
+                    for splits in SWEEP_SPLITS}
+                timed = {k: v for k, v in row["triton_sweep_us"].items() if isinstance(v, float)}
+                row["triton_best"] = min(timed, key=timed.get) if timed else None
             result[f"{name}_m{m}"] = row
             print(f"{name:<8}{m:>5}  " + "  ".join(f"{key}={value:.4g}" for key, value in row.items()
                                                    if isinstance(value, float)), flush=True)
             if sweep:
-                print(f"{'':13}triton best {row['triton_best']}: {row['triton_sweep_us'][row['triton_best']]:.4g}",
+                print(f"{'':13}triton best {row['triton_best']}: {row['triton_sweep_us'].get(row['triton_best'])}",
                       flush=True)
     return result
 
