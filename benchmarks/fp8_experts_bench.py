@@ -7,7 +7,7 @@ experts: 16 and 64 rows an expert), against the FP8 weight-read floor at --bandw
     PYTHONPATH=. python3 benchmarks/fp8_experts_bench.py [--json FILE]
 
 The routing is the served one (model.kernels.routing over random router scores). Each call is timed as
-the mean of 50 replays in one CUDA graph (benchmarks.fp8_gemm_bench.time_us). Each tile's output is
+the mean of 50 replays in one CUDA graph (benchmarks.fp8_gemm_bench.try_us). Each tile's output is
 compared with the served tiles' (max |a - b| / max |a|): tiles change only where the MMAs split K, so
 anything above a few 1e-3 is a bug, not rounding.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.fp8_gemm_bench import require_fp8_gpu, save, time_us
+from benchmarks.fp8_gemm_bench import require_fp8_gpu, save, try_us
 
 E, HIDDEN, INTERMEDIATE, TOP_K = 128, 2816, 704, 8
 TOKENS = (256, 1024)
@@ -59,19 +59,15 @@ def measure(bandwidth: float) -> dict:
                 tiles = Tiles(*shape)
                 tile_map = make_tile_map(ends, -(-p // tiles.m) + E, tiles.m)
                 fn = lambda: grouped_matmul(xq, wq, ends, rows, tile_map, tiles, sx, sw, torch.bfloat16)  # noqa: E731
-                try:
-                    us = time_us(fn, 50)
-                except Exception as err:   # a tile that does not fit is a row of the sweep, not its end
-                    row[str(shape)] = repr(err)[:120]
+                us = try_us(fn)
+                if isinstance(us, str):
+                    row[str(shape)] = us
                     continue
                 out = fn().float()
                 ref = out if ref is None else ref
                 row[str(shape)] = {"us": us, "over_floor": us / row["floor_us"],
                                    "max_rel_diff": ((out - ref).abs().max() / ref.abs().max()).item()}
-            try:
-                row["cutlass_us"] = time_us(lambda: grouped_in_cutlass(xq, sx, wq, sw, ends, rows, torch.bfloat16), 50)
-            except Exception as err:   # a torch without this grouped GEMM still gets the triton rows
-                row["cutlass_us"] = repr(err)[:120]
+            row["cutlass_us"] = try_us(lambda: grouped_in_cutlass(xq, sx, wq, sw, ends, rows, torch.bfloat16))
             result[f"{name}_t{tokens}"] = row
             timed = {k: v["us"] for k, v in row.items() if isinstance(v, dict)}
             best = min(timed, key=timed.get) if timed else None

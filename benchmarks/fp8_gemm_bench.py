@@ -53,8 +53,9 @@ def time_us(fn, reps: int = 200) -> float:
     return start.elapsed_time(end) / reps * 1e3
 
 
-def _try_us(fn) -> float | str:
-    """time_us of a sweep's setting, or why it could not run (a tile that does not fit is a row, not the end)."""
+def try_us(fn) -> float | str:
+    """time_us (50 replays) of a sweep's setting, or why it could not run (a tile that does not fit is a
+    row of the sweep, not its end)."""
     try:
         return time_us(fn, 50)
     except Exception as err:
@@ -87,7 +88,7 @@ def measure(bandwidth: float, family: str = "nemotron-ld", sweep: bool = False) 
             b = scaled_linear(xq, sx, wq, sw, torch.bfloat16, invariant=True).float()
             row["max_rel_diff"] = ((a - b).abs().max() / a.abs().max()).item()
             if sweep:
-                row["triton_sweep_us"] = {f"{tiles} x{splits}": _try_us(lambda: matmul(
+                row["triton_sweep_us"] = {f"{tiles} x{splits}": try_us(lambda: matmul(
                     xq, wq, Tiles(*tiles), sx, sw.view(-1), torch.bfloat16, splits)) for tiles in SWEEP_TILES
                     for splits in SWEEP_SPLITS}
                 timed = {k: v for k, v in row["triton_sweep_us"].items() if isinstance(v, float)}
