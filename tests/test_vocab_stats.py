@@ -113,8 +113,8 @@ for R, P, V, softcap, soft, vs, dtype in [(2, 3, 997, None, None, 0, torch.float
                                            (3, 1, 40000, None, None, 7, torch.float32)]:
     x = (torch.randn(R, P, V) * 4).to(dtype)
     x[0, 0, 5] = float("-inf")
-    # ties for a row's maximum: in one lane of the kernel's tiles (2048 apart) and across lanes, the later
-    # column first in a lane's order; the lower id wins
+    # ties for a row's maximum, 2048 apart (one lane of two of the kernel's tiles) and in different lanes:
+    # the lower id wins
     x[1, 0, 10] = x[1, 0, 10 + min(2048, V // 2)] = x[1, 0].max() + 1
     x[0, P - 1, min(4000, V - 1)] = x[0, P - 1, 100] = x[0, P - 1].max() + 1
     temp = torch.tensor([0.7, 0.0, 1.3][:R])
