@@ -100,6 +100,15 @@ tokens = torch.randint(0, 11, (len(xq),))                      # rows (and their
 source_q, source_s = fp8_rows(11, D)
 assert torch.equal(fp8.scaled_grouped(source_q, source_s, w, sw, ends, tokens, torch.bfloat16, invariant=True),
                    fp8.grouped_in_triton(source_q[tokens], source_s[tokens], w, sw, ends, None, torch.bfloat16))
+for tiles in (K.Tiles(16, 32, 128, 4, 2, True), K.Tiles(32, 64, 128, 4, 2, True)):   # y^T = W x^T
+    ys = K.grouped_matmul(xq, w, ends, tiles=tiles, x_scale=sx, w_scale=sw, out_dtype=torch.bfloat16)
+    close(ys, ref, ("swapped", tiles))
+    assert torch.equal(K.grouped_matmul(xq[40:41], w, alone, tiles=tiles, x_scale=sx[40:41], w_scale=sw,
+                                        out_dtype=torch.bfloat16), ys[40:41]), tiles
+    assert torch.equal(K.grouped_matmul(source_q, w, ends, tokens, tiles=tiles, x_scale=source_s, w_scale=sw,
+                                        out_dtype=torch.bfloat16),
+                       K.grouped_matmul(source_q[tokens], w, ends, tiles=tiles, x_scale=source_s[tokens], w_scale=sw,
+                                        out_dtype=torch.bfloat16)), tiles
 print("fp8 invariant kernels ok")
 """
 
@@ -111,7 +120,8 @@ def test_invariant_kernels_in_the_interpreter():
 def test_fp8_operands_in_the_interpreter():
     """The same kernels with FP8-dynamic operands (model.kernels.fp8 runs them for the experts at few rows
     per expert, and for every FP8 layer in the batch-invariant mode): the reference's products summed in
-    fp32 and the two scales applied, a row's bits the same alone and in a batch, rows and scales gathered."""
+    fp32 and the two scales applied, a row's bits the same alone and in a batch, rows and scales gathered;
+    the grouped kernel's swapped tiles (the tokens as the MMA's narrow side) too."""
     run_interpreted(FP8_CHECK, "fp8 invariant kernels ok")
 
 

@@ -40,6 +40,9 @@ class Tiles(NamedTuple):
     k: int
     warps: int
     stages: int
+    # grouped kernel: the weight's columns as the MMA's rows (y^T = W x^T), so a few rows an expert fill
+    # the MMA's narrow side (Hopper's is 8-256 wide) instead of wasting most of its 64 tall side
+    swap: bool = False
 
 
 # measured on an H200 (bf16): within 5-15% of cuBLAS at 32 rows, 1.3-1.7x its time at 256-512 rows
@@ -157,7 +160,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None, x_scale
 @triton.jit
 def _grouped_kernel(x_ptr, xs_ptr, rows_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, ends_ptr, N, E,
                     sxm, swe, swn, swk, som, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    GATHER: tl.constexpr, SCALED: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
+                    GATHER: tl.constexpr, SCALED: tl.constexpr, SWAP: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
                     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     t, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + t)
@@ -169,16 +172,28 @@ def _grouped_kernel(x_ptr, xs_ptr, rows_ptr, w_ptr, ws_ptr, out_ptr, tile_expert
             src = tl.load(rows_ptr + rm, mask=rm < row_end, other=0)
         rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if SWAP:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + rk
             a = tl.load(x_ptr + src[:, None] * sxm + kk[None, :], mask=(rm[:, None] < row_end) & (kk[None, :] < K),
                         other=0.0)
-            b = tl.load(w_ptr + e * swe + rn[None, :] * swn + kk[:, None] * swk,
-                        mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-            if INTERPRETED:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION, max_num_imprecise_acc=IMPRECISE_ACC)
+            if SWAP:
+                b = tl.load(w_ptr + e * swe + rn[:, None] * swn + kk[None, :] * swk,
+                            mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+                if INTERPRETED:
+                    a, b = a.to(tl.float32), b.to(tl.float32)
+                acc = tl.dot(b, tl.trans(a), acc, input_precision=PRECISION, max_num_imprecise_acc=IMPRECISE_ACC)
+            else:
+                b = tl.load(w_ptr + e * swe + rn[None, :] * swn + kk[:, None] * swk,
+                            mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+                if INTERPRETED:
+                    a, b = a.to(tl.float32), b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision=PRECISION, max_num_imprecise_acc=IMPRECISE_ACC)
+        if SWAP:
+            acc = tl.trans(acc)
         if SCALED:   # a gathered row's scale is its token's
             acc = (acc * tl.load(xs_ptr + src, mask=rm < row_end, other=0.0)[:, None]
                    * tl.load(ws_ptr + e * N + rn, mask=rn < N, other=0.0)[None, :])
@@ -225,7 +240,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, rows: t
     _grouped_kernel[(max_tiles, triton.cdiv(n, tiles.n))](
         x, x_scale if scaled else x, x if rows is None else rows, w, w_scale if scaled else w, out,
         expert, row, ends, n, e, x.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), K=k,
-        BM=tiles.m, BN=tiles.n, BK=tiles.k, GATHER=rows is not None, SCALED=scaled,
+        BM=tiles.m, BN=tiles.n, BK=tiles.k, GATHER=rows is not None, SCALED=scaled, SWAP=tiles.swap,
         IMPRECISE_ACC=_imprecise_acc(scaled, tiles), PRECISION=_precision(x.dtype), INTERPRETED=INTERPRETED,
         num_warps=tiles.warps, num_stages=tiles.stages)
     return out
