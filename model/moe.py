@@ -138,15 +138,15 @@ class GemmaExperts(nn.Module):
         """Both projections through model.kernels.fp8: the tokens quantized once (by their norm's kernel,
         or here; every pair of a token reads its row and scale), the gated activation quantized in its
         own kernel."""
-        from model.kernels.fp8 import scaled_grouped   # triton: imported where CUDA runs it
+        from model.kernels.fp8 import EXPERT_TILES, scaled_grouped   # triton: imported where CUDA runs it
 
         a = as_quantized(x)
         invariant = batch_invariant.enabled()
         gate_up = scaled_grouped(a.q, a.scale, self.gate_up_proj, self.gate_up_proj_scale, pairs.ends, pairs.token,
-                                 a.dtype, pairs.tile_map, invariant)
+                                 a.dtype, pairs.tile_map, invariant, EXPERT_TILES.gate_up)
         h = gelu_mul_quantized(gate_up)
         return scaled_grouped(h.q, h.scale, self.down_proj, self.down_proj_scale, pairs.ends, None, a.dtype,
-                              pairs.tile_map, invariant)
+                              pairs.tile_map, invariant, EXPERT_TILES.down)
 
     def forward(self, x: torch.Tensor | Quantized, weights: torch.Tensor, ids: torch.Tensor,
                 shared: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,8 +154,9 @@ class GemmaExperts(nn.Module):
         router's); shared [T, H]: this rank's partial sum of another branch of the same tokens (the
         layer's dense MLP) -> (shared, experts' output) [T, H] each, both summed over the ranks in one
         all-reduce."""
-        pairs = sort_pairs(ids, self.num_experts)
-        if isinstance(x, Quantized) or self.fp8_kernels(x):
+        fp8 = isinstance(x, Quantized) or self.fp8_kernels(x)
+        pairs = sort_pairs(ids, self.num_experts, fp8)
+        if fp8:
             y = self.scaled(x, pairs)
         else:
             h = gelu_mul(self.project(x, self.gate_up_proj, self.gate_up_proj_scale, pairs, gather=True))
@@ -175,13 +176,15 @@ class SortedPairs(NamedTuple):
     tile_map: tuple[torch.Tensor, torch.Tensor] | None   # the triton grouped kernel's (CUDA), else None
 
 
-def sort_pairs(ids: torch.Tensor, num_experts: int) -> SortedPairs:
-    """On CUDA three launches of model.kernels.routing (with the grouped kernel's tile map); elsewhere a
-    stable argsort, the reference."""
+def sort_pairs(ids: torch.Tensor, num_experts: int, fp8: bool = False) -> SortedPairs:
+    """On CUDA three launches of model.kernels.routing (with the tile map of the grouped kernel that runs:
+    the FP8 experts' tiles, `fp8`, or the BF16 ones); elsewhere a stable argsort, the reference."""
     if ids.is_cuda:
         from model.kernels import invariant, routing
+        from model.kernels.fp8 import EXPERT_TILES
 
-        token, slot, ends, *tile_map = routing.sort_pairs(ids, num_experts, invariant.GROUPED_TILES.m)
+        block_m = EXPERT_TILES.m if fp8 else invariant.GROUPED_TILES.m
+        token, slot, ends, *tile_map = routing.sort_pairs(ids, num_experts, block_m)
         return SortedPairs(token, slot, ends, tuple(tile_map))
     k, flat = ids.shape[-1], ids.flatten()
     # a radix sort's passes follow the key's bits: ids as the narrowest integer holding them

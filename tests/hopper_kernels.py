@@ -161,7 +161,8 @@ def experts_calls(family: dict, weights: list, quick: bool):
             yield f"route T={tokens} {dtype}", lambda: routing.route(torch.empty(tokens, e, dtype=dtype),
                                                                      torch.empty(e), k)
         ids = torch.empty(tokens, k, dtype=torch.int32)
-        yield f"sort_pairs T={tokens}", lambda: routing.sort_pairs(ids, e, invariant.GROUPED_TILES.m)
+        for block_m in sorted({invariant.GROUPED_TILES.m, fp8.EXPERT_TILES.m}):
+            yield f"sort_pairs T={tokens} m={block_m}", lambda: routing.sort_pairs(ids, e, block_m)
         token, ends = _ints(pairs), torch.arange(1, e + 1, dtype=torch.int32)
         for (n_e, n, kk), wdtype in experts:
             w = torch.empty(n_e, n, kk, dtype=wdtype)
@@ -170,8 +171,9 @@ def experts_calls(family: dict, weights: list, quick: bool):
             x = torch.empty(tokens if gather else pairs, kk, dtype=wdtype)
             label = f"grouped {wdtype} w={list(w.shape)} T={tokens}"
             if wdtype == torch.float8_e4m3fn:
+                tiles = fp8.EXPERT_TILES.gate_up if gather else fp8.EXPERT_TILES.down
                 yield label, lambda: fp8.grouped_in_triton(x, torch.empty(x.shape[0]), w, torch.empty(n_e, n),
-                                                           ends, rows, torch.bfloat16)
+                                                           ends, rows, torch.bfloat16, tiles=tiles)
             else:
                 yield label, lambda: invariant.grouped_matmul(x, w, ends, rows)
         yield f"combine T={tokens}", lambda: combine(torch.empty(pairs, family["hidden"], dtype=torch.bfloat16),

@@ -23,7 +23,7 @@ from model.parallel.group import TPGroup
 from tests.fp8_reference import schedule
 
 
-def grouped_on_cpu(xq, sx, w, w_scale, ends, rows, out_dtype, tile_map=None, invariant=False):
+def grouped_on_cpu(xq, sx, w, w_scale, ends, rows, out_dtype, tile_map=None, invariant=False, tiles=None):
     """model.kernels.fp8.scaled_grouped's contract, dequantized: each sorted row times its expert."""
     x = dequantize(xq, sx[:, None], torch.float32)
     if rows is not None:

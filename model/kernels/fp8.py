@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from model.kernels.invariant import grouped_matmul, matmul
+from typing import NamedTuple
+
+from model.kernels.invariant import FP8_GROUPED_TILES, Tiles, grouped_matmul, matmul
 
 
 # rows up to which a weight with K >= 2 N goes to the split-K kernel: the 8B's down projection (4096 x
@@ -43,12 +45,30 @@ def scaled_linear(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weig
                             out_dtype=out_dtype)
 
 
+class ExpertTiles(NamedTuple):
+    """The triton grouped kernel's tiles for each of the experts' two projections: one height, so the
+    routing's one tile map serves both (model.moe.sort_pairs makes it for `m`)."""
+    gate_up: Tiles
+    down: Tiles
+
+    @property
+    def m(self) -> int:
+        return self.gate_up.m
+
+
+# benchmarks/fp8_experts_bench.py times the candidates at DiffusionGemma's shapes
+EXPERT_TILES = ExpertTiles(gate_up=FP8_GROUPED_TILES, down=FP8_GROUPED_TILES)
+assert EXPERT_TILES.gate_up.m == EXPERT_TILES.down.m
+
+
 def grouped_in_triton(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                       ends: torch.Tensor, rows: torch.Tensor | None, out_dtype: torch.dtype,
-                      tile_map: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      tile_map: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      tiles: Tiles | None = None) -> torch.Tensor:
     """model.kernels.invariant.grouped_matmul's problem in FP8: xq [T or P, K] with sx [T or P], w [E, N, K]
-    with w_scale [E, N]; `rows` [P] gathers xq's (and sx's) rows in the kernel."""
-    return grouped_matmul(xq, w, ends, rows, tile_map, x_scale=sx, w_scale=w_scale, out_dtype=out_dtype)
+    with w_scale [E, N]; `rows` [P] gathers xq's (and sx's) rows in the kernel. `tiles`: FP8_GROUPED_TILES
+    unless given (a given tile map must be for its height)."""
+    return grouped_matmul(xq, w, ends, rows, tile_map, tiles, x_scale=sx, w_scale=w_scale, out_dtype=out_dtype)
 
 
 def grouped_in_cutlass(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -65,9 +85,11 @@ FEW_ROWS_PER_EXPERT = 32
 
 def scaled_grouped(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                    ends: torch.Tensor, rows: torch.Tensor | None, out_dtype: torch.dtype,
-                   tile_map: tuple[torch.Tensor, torch.Tensor] | None = None, invariant: bool = False) -> torch.Tensor:
-    """The experts' FP8 grouped matmul -> [P, N] out_dtype (module docstring)."""
+                   tile_map: tuple[torch.Tensor, torch.Tensor] | None = None, invariant: bool = False,
+                   tiles: Tiles | None = None) -> torch.Tensor:
+    """The experts' FP8 grouped matmul -> [P, N] out_dtype (module docstring); `tiles` the triton kernel's
+    (one of EXPERT_TILES, with the tile map made for its height)."""
     p = xq.shape[0] if rows is None else rows.shape[0]
     if invariant or p <= FEW_ROWS_PER_EXPERT * w.shape[0]:
-        return grouped_in_triton(xq, sx, w, w_scale, ends, rows, out_dtype, tile_map)
+        return grouped_in_triton(xq, sx, w, w_scale, ends, rows, out_dtype, tile_map, tiles)
     return grouped_in_cutlass(xq, sx, w, w_scale, ends, rows, out_dtype)

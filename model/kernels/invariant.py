@@ -54,8 +54,6 @@ GROUPED_TILES = Tiles(64, 128, 64, 8, 3)
 # of DiffusionGemma's FP8 experts at batch 1 (README.md), the dense ones not tuned
 FP8_MATMUL_TILES = Tiles(128, 128, 128, 8, 3)
 FP8_GROUPED_TILES = Tiles(64, 128, 128, 8, 3)
-# model.kernels.routing makes the experts' tile map with the sort, for one tile height: both dtypes'
-assert FP8_GROUPED_TILES.m == GROUPED_TILES.m
 MAX_SPLITS = 8
 ROWS_PER_LAUNCH = 512    # bounds the split-K workspace (splits x 512 x N fp32)
 ROW_BLOCK = 1024
