@@ -99,13 +99,17 @@ def test_scaled_linear_equals_the_reference(invariant, m, k):
     torch.testing.assert_close(got, ref.to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("variant", ["triton", "cutlass"])
+@pytest.mark.parametrize("variant", ["triton", "triton-swapped", "cutlass"])
 @pytest.mark.parametrize("tokens", [3, 40, 300])
 def test_scaled_grouped_equals_the_reference(variant, tokens):
-    """Both grouped FP8 kernels, gathering token rows (gate/up) and reading pair rows (down), against the
-    reference per expert; experts with no rows included."""
+    """Both grouped FP8 kernels (the triton one also with swapped 16-row tiles, y^T = W x^T), gathering
+    token rows (gate/up) and reading pair rows (down), against the reference per expert; experts with no
+    rows included."""
+    from functools import partial
+
     from model.fp8 import dequantize
     from model.kernels import fp8 as K
+    from model.kernels.invariant import Tiles
     from model.moe import sort_pairs
 
     E, k, H, N = 16, 4, 512, 384
@@ -114,7 +118,8 @@ def test_scaled_grouped_equals_the_reference(variant, tokens):
     pairs = sort_pairs(ids, E)
     x, a = _quantized(tokens, H, 2)
     w, sw = _weights(E, N, H, seed=3)
-    run = K.grouped_in_triton if variant == "triton" else K.grouped_in_cutlass
+    run = {"triton": K.grouped_in_triton, "cutlass": K.grouped_in_cutlass,
+           "triton-swapped": partial(K.grouped_in_triton, tiles=Tiles(16, 128, 128, 4, 4, True))}[variant]
     got = run(a.q, a.scale, w, sw[..., 0].contiguous(), pairs.ends, pairs.token, torch.bfloat16).float()
     expert = ids.flatten()[torch.argsort(ids.flatten(), stable=True)]
     xr = dequantize(a.q, a.scale[:, None], torch.float32)[pairs.token]
