@@ -18,9 +18,9 @@ fixed-order kernels with FP8 operands instead.
 """
 from __future__ import annotations
 
-import torch
-
 from typing import NamedTuple
+
+import torch
 
 from model.kernels.invariant import FP8_GROUPED_TILES, Tiles, grouped_matmul, matmul
 
