@@ -161,8 +161,9 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, slot_ptr, start
 
 
 @triton.jit
-def _combine_kernel(part_ptr, ml_ptr, out_ptr, sob, sol, soh, L, BHKV, HKV: tl.constexpr, G: tl.constexpr,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr, SPLITS: tl.constexpr):
+def _split_combine_kernel(part_ptr, ml_ptr, out_ptr, sob, sol, soh, L, BHKV, HKV: tl.constexpr,
+                          G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr,
+                          SPLITS: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = (pid_bh // HKV).to(tl.int64), (pid_bh % HKV).to(tl.int64)
     LG = L * G
@@ -232,6 +233,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
         ITERS=iters, HAS_WINDOW=window is not None, RING=ring is not None, PRECISION=precision,
         INTERPRETED=INTERPRETED, num_warps=warps, num_stages=stages)
     if S > 1:
-        _combine_kernel[(grid_m, B * hkv)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), L, B * hkv,
-                                           HKV=hkv, G=G, D=D, BLOCK_D=block_d, BM=BM, SPLITS=S, num_warps=warps)
+        _split_combine_kernel[(grid_m, B * hkv)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), L,
+                                                 B * hkv, HKV=hkv, G=G, D=D, BLOCK_D=block_d, BM=BM, SPLITS=S, num_warps=warps)
     return out

@@ -19,7 +19,7 @@ BLOCK = 512
 
 
 @triton.jit
-def _combine_kernel(y_ptr, slot_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK: tl.constexpr,
+def _expert_combine_kernel(y_ptr, slot_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK: tl.constexpr,
                     INTERPRETED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -39,6 +39,6 @@ def combine(y: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor) -> torch
     h = y.shape[-1]
     y = y.contiguous()
     out = torch.empty(t, h, dtype=y.dtype, device=y.device)
-    _combine_kernel[(t, triton.cdiv(h, BLOCK))](y, slot, weights.contiguous(), out, h, K=k, BLOCK=BLOCK,
-                                                 INTERPRETED=INTERPRETED, num_warps=4)
+    _expert_combine_kernel[(t, triton.cdiv(h, BLOCK))](y, slot, weights.contiguous(), out, h, K=k, BLOCK=BLOCK,
+                                                        INTERPRETED=INTERPRETED, num_warps=4)
     return out
