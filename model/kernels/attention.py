@@ -40,6 +40,10 @@ from model.kernels.launch import INTERPRETED, sm_count
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 MIN_SPLIT_KEYS = 256
+# fp32 values of the split combine's accumulator per program (its rows x the head dim, over 4 warps):
+# the combine streams the partials once, so it takes small tiles and many programs; the attention
+# program's rows (64-128 at head dim 512) held 255 registers a thread there and left most SMs idle
+COMBINE_VALUES = 4096
 
 
 # (query rows, keys, warps, pipeline stages) per program by head dim, for one row / for several (or
@@ -233,6 +237,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
         ITERS=iters, HAS_WINDOW=window is not None, RING=ring is not None, PRECISION=precision,
         INTERPRETED=INTERPRETED, num_warps=warps, num_stages=stages)
     if S > 1:
-        _split_combine_kernel[(grid_m, B * hkv)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), L,
-                                                 B * hkv, HKV=hkv, G=G, D=D, BLOCK_D=block_d, BM=BM, SPLITS=S, num_warps=warps)
+        bm = max(1, COMBINE_VALUES // block_d)   # a row's result does not depend on its tile: the same bits
+        _split_combine_kernel[(triton.cdiv(L * G, bm), B * hkv)](
+            part, ml, out, out.stride(0), out.stride(1), out.stride(2), L, B * hkv, HKV=hkv, G=G, D=D,
+            BLOCK_D=block_d, BM=bm, SPLITS=S, num_warps=4)
     return out
