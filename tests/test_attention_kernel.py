@@ -107,6 +107,31 @@ def test_fixed_steps_equal_sdpa():
     run_interpreted(FIXED, "fixed cases pass", timeout=120)
 
 
+# the split combine's row tile (COMBINE_VALUES / head dim) is its own, not the attention program's: a
+# row's combined result must not depend on it, at the served tile (64 rows here) and at 8 and 256
+COMBINE_TILES = r"""
+import torch
+import model.kernels.attention as ka
+gen = torch.Generator().manual_seed(5)
+B, L, hkv, G, D, P = 2, 24, 2, 4, 64, 300
+q = torch.randn(B, L, hkv * G, D, generator=gen).bfloat16()
+k, v = (torch.randn(B, P, hkv, D, generator=gen).bfloat16() for _ in range(2))
+meta = [torch.tensor(x) for x in ([1, 0], [260, 100], [L, 17], [0, 1])]
+outs = []
+for values in (ka.COMBINE_VALUES, 8 * D, 256 * D):
+    ka.COMBINE_VALUES = values
+    outs.append(ka.attention(q, k, v, *meta, D ** -0.5, keys=P, splits=3, tiles=(16, 16, 4)))
+assert all(torch.equal(outs[0], o) for o in outs[1:])
+one = ka.attention(q, k, v, *meta, D ** -0.5, keys=P, splits=1, tiles=(16, 16, 4))
+assert (one.float() - outs[0].float()).abs().max() <= 2 ** -7 * v.abs().max()
+print("combine tiles agree")
+"""
+
+
+def test_split_combine_tiles_give_the_same_bits():
+    run_interpreted(COMBINE_TILES, "combine tiles agree", timeout=120)
+
+
 @pytest.mark.parametrize("D,seed,n", [(64, 1, 25), (128, 2, 20), (256, 3, 15)])
 def test_random_steps_equal_sdpa(D, seed, n):
     run_interpreted(CHECK + f"run({D}, {seed}, {n})\nprint('random cases pass')", "random cases pass", timeout=120)

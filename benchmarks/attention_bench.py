@@ -1,0 +1,111 @@
+"""DiffusionGemma 26B-A4B's attention at one canvas, on the GPU host: the served call
+(model.kernels.attention.attention: its key splits and their combine) per layer kind, and the split
+combine alone at its served tiles against the attention program's (what it ran at before 219a5b6).
+
+    PYTHONPATH=. python3 benchmarks/attention_bench.py [--json FILE]
+
+A sliding layer (16 query heads over 8 kv heads of 256, the ring of W - 1 + C = 1279 positions) and a
+full one (16 over 2 of 512) at 1280 and 2048 keys, one 256-token denoise row (bidirectional), bf16.
+Each call is the mean of 200 replays in one CUDA graph (benchmarks/fp8_gemm_bench.time_us); a step runs
+25 sliding and 5 full layers, so `step_us` weighs them so. The two combine tiles must give the same bits
+(a row's result does not depend on its tile): `same_bits`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+C, WINDOW, HEADS = 256, 1024, 16
+# layer kind -> (head dim, kv heads, keys the row's cache holds (before its canvas), ring or None, layers)
+LAYERS = {"sliding": (256, 8, 1280, WINDOW - 1 + C, 25), "full_1280": (512, 2, 1280, None, 5),
+          "full_2048": (512, 2, 2048, None, 5)}
+
+
+def problem(d: int, hkv: int, keys: int, ring: int | None, device: str = "cuda"):
+    """q [1, C, 16, d] and a one-slot cache holding `keys` positions before the canvas (as a ring where
+    `ring`): the arguments of attention() for one bidirectional canvas row."""
+    positions = ring if ring is not None else keys + C
+    q = torch.randn(1, C, HEADS, d, device=device).bfloat16()
+    k = torch.randn(1, positions, hkv, d, device=device).bfloat16()
+    v = torch.randn(1, positions, hkv, d, device=device).bfloat16()
+    meta = [torch.tensor([0], device=device), torch.tensor([keys], device=device), torch.tensor([C], device=device),
+            torch.tensor([0], device=device)]   # slot, start, length, causal
+    return q, k, v, meta
+
+
+def combine_problem(d: int, hkv: int, splits: int, device: str = "cuda"):
+    """Random partial states of `splits` key splits for one canvas row (maxima, positive sums)."""
+    lg = C * (HEADS // hkv)
+    part = torch.randn(splits, hkv, lg, d, device=device)
+    ml = torch.stack([torch.randn(splits, hkv, lg, device=device) * 4,
+                      torch.rand(splits, hkv, lg, device=device) * 100 + 1], dim=-1)
+    return part, ml
+
+
+def combine(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, bm: int, warps: int) -> None:
+    """The split combine of model.kernels.attention with `bm` rows a program."""
+    import triton
+
+    from model.kernels.attention import _split_combine_kernel
+
+    splits, bhkv, lg, d = part.shape
+    g = out.shape[2] // bhkv
+    block_d = max(16, triton.next_power_of_2(d))
+    _split_combine_kernel[(triton.cdiv(lg, bm), bhkv)](part, ml, out, out.stride(0), out.stride(1), out.stride(2),
+                                                       lg // g, bhkv, HKV=bhkv, G=g, D=d, BLOCK_D=block_d, BM=bm,
+                                                       SPLITS=splits, num_warps=warps)
+
+
+def measure() -> dict:
+    import triton
+
+    from benchmarks.fp8_gemm_bench import time_us
+    from model.kernels import attention as A
+
+    result, step = {}, {"served": 0.0, "combine_served": 0.0, "combine_before": 0.0}
+    for name, (d, hkv, keys, ring, layers) in LAYERS.items():
+        q, k, v, meta = problem(d, hkv, keys, ring)
+        extent = ring if ring is not None else keys + C
+        bm, _, warps, _, splits = A._config(d, C * HEADS // hkv, 1, hkv, extent, q.device, False)
+        served = time_us(lambda: A.attention(q, k, v, *meta, 1.0, WINDOW if ring else None, ring=ring,  # noqa: B023
+                                             keys=keys + C))
+        weight = layers / (1 if ring is not None else 2)   # full layers: half at each length
+        row = {"served_us": served, "splits": splits, "attention_rows": bm, "attention_warps": warps}
+        if splits > 1:
+            part, ml = combine_problem(d, hkv, splits)
+            tiles = {"served": (max(1, A.COMBINE_VALUES // max(16, triton.next_power_of_2(d))), 4),
+                     "before": (bm, warps)}
+            outs = {}
+            for tile, (rows, w) in tiles.items():
+                out = torch.empty(1, C, HEADS, d, device="cuda", dtype=torch.bfloat16)
+                row[f"combine_{tile}_us"] = time_us(lambda: combine(part, ml, out, rows, w))  # noqa: B023
+                row[f"combine_{tile}_tile"] = (rows, w)
+                outs[tile] = out
+            row["same_bits"] = torch.equal(outs["served"], outs["before"])
+            step["combine_served"] += weight * row["combine_served_us"]
+            step["combine_before"] += weight * row["combine_before_us"]
+        step["served"] += weight * served
+        result[name] = row
+        print(name, json.dumps(row), flush=True)
+    result["step_us"] = step
+    print("a step's 30 layers (full ones half at each length), us:", json.dumps(step), flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    result = measure()
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
