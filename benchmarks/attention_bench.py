@@ -1,6 +1,7 @@
 """DiffusionGemma 26B-A4B's attention at one canvas, on the GPU host: the served call
-(model.kernels.attention.attention: its key splits and their combine) per layer kind, and the split
-combine alone at its served tiles against the attention program's (what it ran at before 219a5b6).
+(model.kernels.attention.attention: its key splits and their combine) per layer kind, with its key
+loop pipelined (PIPELINE_KEYS) and not (the loop every compiled call ran before), and the split combine
+alone at its served tiles against the attention program's (what it ran at before 219a5b6).
 
     PYTHONPATH=. python3 benchmarks/attention_bench.py [--json FILE]
 
@@ -8,7 +9,8 @@ A sliding layer (16 query heads over 8 kv heads of 256, the ring of W - 1 + C = 
 full one (16 over 2 of 512) at 1280 and 2048 keys, one 256-token denoise row (bidirectional), bf16.
 Each call is the mean of 200 replays in one CUDA graph (benchmarks/fp8_gemm_bench.time_us); a step runs
 25 sliding and 5 full layers, so `step_us` weighs them so. The two combine tiles must give the same bits
-(a row's result does not depend on its tile): `same_bits`.
+(a row's result does not depend on its tile): `same_bits`; so must the two loops (the same blocks in
+the same order): `pipelined_same_bits`.
 """
 from __future__ import annotations
 
@@ -66,15 +68,21 @@ def measure() -> dict:
     from benchmarks.fp8_gemm_bench import time_us
     from model.kernels import attention as A
 
-    result, step = {}, {"served": 0.0, "combine_served": 0.0, "combine_before": 0.0}
+    result, step = {}, {"served": 0.0, "unpipelined": 0.0, "combine_served": 0.0, "combine_before": 0.0}
     for name, (d, hkv, keys, ring, layers) in LAYERS.items():
         q, k, v, meta = problem(d, hkv, keys, ring)
         extent = ring if ring is not None else keys + C
         bm, _, warps, _, splits = A._config(d, C * HEADS // hkv, 1, hkv, extent, q.device, False)
-        served = time_us(lambda: A.attention(q, k, v, *meta, 1.0, WINDOW if ring else None, ring=ring,  # noqa: B023
-                                             keys=keys + C))
+
+        def call(pipeline):
+            return A.attention(q, k, v, *meta, 1.0, WINDOW if ring else None, ring=ring, keys=keys + C,  # noqa: B023
+                               pipeline=pipeline)
+        served = time_us(lambda: call(A.PIPELINE_KEYS))
+        unpipelined = time_us(lambda: call(False))
+        same = torch.equal(call(True), call(False))
         weight = layers / (1 if ring is not None else 2)   # full layers: half at each length
-        row = {"served_us": served, "splits": splits, "attention_rows": bm, "attention_warps": warps}
+        row = {"served_us": served, "unpipelined_us": unpipelined, "pipelined_same_bits": same, "splits": splits,
+               "attention_rows": bm, "attention_warps": warps}
         if splits > 1:
             part, ml = combine_problem(d, hkv, splits)
             tiles = {"served": (max(1, A.COMBINE_VALUES // max(16, triton.next_power_of_2(d))), 4),
@@ -89,6 +97,7 @@ def measure() -> dict:
             step["combine_served"] += weight * row["combine_served_us"]
             step["combine_before"] += weight * row["combine_before_us"]
         step["served"] += weight * served
+        step["unpipelined"] += weight * unpipelined
         result[name] = row
         print(name, json.dumps(row), flush=True)
     result["step_us"] = step

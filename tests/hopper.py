@@ -48,6 +48,8 @@ class Compiled:
     mma: tuple[str, ...]   # its matrix instructions by kind and A operand: "wgmma.e4m3" (Hopper's
                            # warpgroup MMA on FP8), "wgmma.bf16", "mma.bf16" (the per-warp MMA of
                            # earlier GPUs); () for none
+    async_copies: bool = False   # loads global -> shared asynchronously (cp.async): how triton pipelines
+                                 # a loop's loads over num_stages buffers
 
 
 def resources(cubin: bytes, name: str) -> tuple[int, int]:
@@ -71,13 +73,14 @@ def matrix_instructions(ptx: str) -> tuple[str, ...]:
 class _Utils:
     def __init__(self, compiled: list[Compiled]):
         self.compiled = compiled
-        # (warps, stages, operands) and the MMAs of the kernel being loaded: triton makes its launcher
-        # and calls its load hook first
-        self.launch_config, self.mma = (0, 0, ""), ()
+        # (warps, stages, operands), the MMAs and async copies of the kernel being loaded: triton makes
+        # its launcher and calls its load hook first
+        self.launch_config, self.mma, self.async_copies = (0, 0, ""), (), False
 
     def read_ptx(self, module, function, name, metadata_group: dict, hash) -> None:
         """triton's kernel_load_start_hook: the kernel's PTX lies in its cache group."""
-        self.mma = matrix_instructions(Path(metadata_group[f"{name}.ptx"]).read_text())
+        ptx = Path(metadata_group[f"{name}.ptx"]).read_text()
+        self.mma, self.async_copies = matrix_instructions(ptx), "cp.async" in ptx
 
     def get_device_properties(self, device) -> dict:
         return {"max_shared_mem": MAX_SHARED}   # all that triton's loader reads of them
@@ -89,7 +92,8 @@ class _Utils:
         per_warp = -(-registers * 32 // 256) * 256
         max_threads = min(1024, 65536 // per_warp * 32)
         warps, stages, operands = self.launch_config
-        self.compiled.append(Compiled(name, shared, warps, stages, registers, spilled, operands, self.mma))
+        self.compiled.append(Compiled(name, shared, warps, stages, registers, spilled, operands, self.mma,
+                                      self.async_copies))
         return name, name, registers, spilled, max_threads
 
 

@@ -327,6 +327,8 @@ def census(quick: bool = False) -> dict:
             "kernels": {name: {"specializations": len(cs), "shared": max(c.shared for c in cs),
                                "registers": max(c.registers for c in cs), "spilled": max(c.spilled for c in cs),
                                "warps": sorted({c.warps for c in cs}),
+                               # specializations of 2+ pipeline stages whose loads are all synchronous
+                               "staged_unpipelined": sum(c.stages >= 2 and not c.async_copies for c in cs),
                                "mma": {ops: sorted({" ".join(c.mma) or "none" for c in cs if c.operands == ops})
                                        for ops in sorted({c.operands for c in cs})}}
                         for name, cs in sorted(kernels.items())}}

@@ -39,3 +39,6 @@ def test_every_kernel_compiles_for_the_h200_and_fits_it(tmp_path):
         assert kernels[name]["mma"]["*fp8e4nv"] == ["wgmma.e4m3"], (name, kernels[name]["mma"])
         assert kernels[name]["mma"]["*bf16"] == ["wgmma.bf16"], (name, kernels[name]["mma"])
     assert "none" not in kernels["_attn_kernel"]["mma"]["*bf16"], kernels["_attn_kernel"]["mma"]
+    # attention's key loop is pipelined wherever its tiles ask for stages (a loop body under an `if`,
+    # as the interpreter's loop has, compiles to synchronous loads)
+    assert kernels["_attn_kernel"]["staged_unpipelined"] == 0, kernels["_attn_kernel"]

@@ -20,7 +20,10 @@ One program per (block of (query, head-of-group) pairs, kv head, key split): a k
 share its key tiles (GQA by indexing, no repeat). Each program walks only the key blocks its queries
 can see: [first position any of them sees, last + 1), from a multiple of the key tile, cut into
 `splits` equal pieces when there are few programs (flash-decoding); the splits' partial softmax
-states are combined in split order. Scores and sums accumulate in fp32.
+states are combined in split order. Scores and sums accumulate in fp32. Compiled, the key loop runs over
+the loaded range itself, so triton pipelines the key and value loads (cp.async into `num_stages`
+buffers; an `if` around them, as the interpreter's constexpr trip count needs, left every load
+synchronous on sm_90); both loops share one block step (`_key_block`).
 
 Batch invariance (`invariant=True`): tiles from the head dim alone and one split. A row's query
 blocks are then its own (a block never mixes requests), its key blocks sit at multiples of the key
@@ -44,6 +47,9 @@ MIN_SPLIT_KEYS = 256
 # the combine streams the partials once, so it takes small tiles and many programs; the attention
 # program's rows (64-128 at head dim 512) held 255 registers a thread there and left most SMs idle
 COMBINE_VALUES = 4096
+# compiled key loops over the loaded range, their loads pipelined (module docstring); False: the
+# interpreter's loop, every load synchronous (what ran before; benchmarks/attention_bench.py times both)
+PIPELINE_KEYS = True
 
 
 # (query rows, keys, warps, pipeline stages) per program by head dim, for one row / for several (or
@@ -76,11 +82,43 @@ def _config(d: int, rows: int, batch: int, hkv: int, keys: int, device: torch.de
 
 
 @triton.jit
+def _key_block(n0, s_hi, first, q, k_ptr, v_ptr, slot, skc, skp, skh, svc, svp, svh, h, d, d_ok, start,
+               bidirectional, qpos, anchor, W, i, length, R, qk_scale, m_i, l_i, acc, BN: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, RING: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Keys n0 .. n0 + BN - 1 (those below s_hi) into the block's online-softmax state (m_i, l_i, acc)."""
+    p = n0 + tl.arange(0, BN)
+    p_ok = p < s_hi
+    idx = p
+    if RING:   # below `first` (the aligned start's slack) the ring holds other positions
+        p_ok = p_ok & (p >= first)
+        idx = p % R
+    kt = tl.load(k_ptr + slot * skc + idx[None, :] * skp + h * skh + d[:, None],
+                 mask=p_ok[None, :] & d_ok[:, None], other=0.0)
+    vt = tl.load(v_ptr + slot * svc + idx[:, None] * svp + h * svh + d[None, :],
+                 mask=p_ok[:, None] & d_ok[None, :], other=0.0)
+    if INTERPRETED:
+        kt, vt = kt.to(tl.float32), vt.to(tl.float32)
+    s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+    see = p_ok[None, :] & ((p[None, :] < start) | bidirectional | (p[None, :] <= qpos[:, None]))
+    if HAS_WINDOW:
+        see = see & ((p[None, :] > anchor[:, None] - W) | (i[:, None] >= length))
+    s = tl.where(see, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    e = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(e, 1)
+    acc = acc * alpha[:, None] + tl.dot(e.to(vt.dtype), vt, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, slot_ptr, start_ptr, length_ptr, causal_ptr,
                  sqb, sql, sqh, skc, skp, skh, svc, svp, svh, sob, sol, soh,
                  L, W, R, qk_scale, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, ITERS: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr, RING: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                 HAS_WINDOW: tl.constexpr, RING: tl.constexpr, PRECISION: tl.constexpr, PIPELINE: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
     pid_m, pid_bh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (pid_bh // HKV).to(tl.int64), (pid_bh % HKV).to(tl.int64)
     slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -123,35 +161,21 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, slot_ptr, start
     m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, BLOCK_D), dtype=tl.float32)
+    anchor = qpos   # read only under a window
     if HAS_WINDOW:
         anchor = tl.where(causal, qpos, start)
-    for it in range(ITERS):   # a constexpr bound (the interpreter takes no loaded one); blocks past s_hi skip
-        n0 = s_lo + it * BN
-        if n0 < s_hi:
-            p = n0 + tl.arange(0, BN)
-            p_ok = p < s_hi
-            idx = p
-            if RING:   # below `first` (the aligned start's slack) the ring holds other positions
-                p_ok = p_ok & (p >= first)
-                idx = p % R
-            kt = tl.load(k_ptr + slot * skc + idx[None, :] * skp + h * skh + d[:, None],
-                         mask=p_ok[None, :] & d_ok[:, None], other=0.0)
-            vt = tl.load(v_ptr + slot * svc + idx[:, None] * svp + h * svh + d[None, :],
-                         mask=p_ok[:, None] & d_ok[None, :], other=0.0)
-            if INTERPRETED:
-                kt, vt = kt.to(tl.float32), vt.to(tl.float32)
-            s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-            see = p_ok[None, :] & ((p[None, :] < start) | bidirectional | (p[None, :] <= qpos[:, None]))
-            if HAS_WINDOW:
-                see = see & ((p[None, :] > anchor[:, None] - W) | (i[:, None] >= length))
-            s = tl.where(see, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            e = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(e, 1)
-            acc = acc * alpha[:, None] + tl.dot(e.to(vt.dtype), vt, input_precision=PRECISION)
-            m_i = m_new
+    if INTERPRETED or not PIPELINE:   # a constexpr bound (the interpreter takes no loaded one); blocks past
+        for it in range(ITERS):           # s_hi skip
+            n0 = s_lo + it * BN
+            if n0 < s_hi:
+                m_i, l_i, acc = _key_block(n0, s_hi, first, q, k_ptr, v_ptr, slot, skc, skp, skh, svc, svp, svh, h, d,
+                                           d_ok, start, bidirectional, qpos, anchor, W, i, length, R, qk_scale,
+                                           m_i, l_i, acc, BN, HAS_WINDOW, RING, PRECISION, INTERPRETED)
+    else:   # loaded bounds, the loads at the loop's top level: the compiler pipelines them (num_stages)
+        for n0 in range(s_lo, s_hi, BN):
+            m_i, l_i, acc = _key_block(n0, s_hi, first, q, k_ptr, v_ptr, slot, skc, skp, skh, svc, svp, svh, h, d,
+                                       d_ok, start, bidirectional, qpos, anchor, W, i, length, R, qk_scale,
+                                       m_i, l_i, acc, BN, HAS_WINDOW, RING, PRECISION, INTERPRETED)
 
     if SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -197,14 +221,16 @@ def _split_combine_kernel(part_ptr, ml_ptr, out_ptr, sob, sol, soh, L, BHKV, HKV
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
               lengths: torch.Tensor, causal: torch.Tensor, scale: float, window: int | None = None,
               ring: int | None = None, keys: int | None = None, splits: int | None = None,
-              tiles: tuple[int, int, int] | None = None, invariant: bool = False) -> torch.Tensor:
+              tiles: tuple[int, int, int] | None = None, invariant: bool = False,
+              pipeline: bool | None = None) -> torch.Tensor:
     """q [B, L, Hq, D]; k, v: a cache [slots, positions, Hkv, D] read in place (a ring of `ring`
     positions: p at p mod ring); slots, starts, lengths, causal [B] -> [B, L, Hq, D] in q's dtype.
     `window`: the sliding window W, None for none. `keys`: a host-side bound on start + length over
     the rows (the loop's trip count; default: the cache's positions). `splits`: key splits (default:
     from the shapes alone, never from the metadata's values: no sync). `tiles`: (query rows, keys,
     warps[, pipeline stages]) per program instead of `_config`'s (the tests' small tiles; timings).
-    `invariant`: each row's output independent of the other rows (batch-invariant mode)."""
+    `invariant`: each row's output independent of the other rows (batch-invariant mode). `pipeline`: the
+    compiled key loop over the loaded range (default PIPELINE_KEYS), or the interpreter's (timings)."""
     B, L, hq, D = q.shape
     hkv = k.shape[2]
     assert hq % hkv == 0 and k.shape[-1] == D and v.shape == k.shape, (q.shape, k.shape, v.shape)
@@ -218,9 +244,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     BM, BN, warps, stages = (*tiles, 2)[:4] if tiles else (BM, BN, warps, stages)
     S = splits or S
     grid_m = triton.cdiv(L * G, BM)
-    # iterations per split, rounded up to a power of two so that growing key lengths compile a few times
-    # (+ BN - 1: the range starts at a multiple of BN, up to BN - 1 keys early)
-    iters = triton.next_power_of_2(triton.cdiv(triton.cdiv(extent + BN - 1, S), BN))
+    # the constexpr trip count of the interpreter's loop: iterations per split, rounded up to a power of two
+    # (+ BN - 1: the range starts at a multiple of BN, up to BN - 1 keys early); 1 for the pipelined loop,
+    # which reads its range, so that growing key lengths compile no new variant
+    pipeline = PIPELINE_KEYS if pipeline is None else pipeline
+    iters = 1 if pipeline and not INTERPRETED else triton.next_power_of_2(triton.cdiv(triton.cdiv(extent + BN - 1, S),
+                                                                                      BN))
     out = torch.empty_like(q)
     if S > 1:
         part = torch.empty(S, B * hkv, L * G, D, dtype=torch.float32, device=q.device)
@@ -235,7 +264,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         L, window or 0, ring or 1, scale * LOG2E, HKV=hkv, G=G, D=D, BLOCK_D=block_d, BM=BM, BN=BN, SPLITS=S,
         ITERS=iters, HAS_WINDOW=window is not None, RING=ring is not None, PRECISION=precision,
-        INTERPRETED=INTERPRETED, num_warps=warps, num_stages=stages)
+        PIPELINE=pipeline, INTERPRETED=INTERPRETED, num_warps=warps, num_stages=stages)
     if S > 1:
         bm = max(1, COMBINE_VALUES // block_d)   # a row's result does not depend on its tile: the same bits
         _split_combine_kernel[(triton.cdiv(L * G, bm), B * hkv)](
