@@ -8,9 +8,10 @@ alone at its served tiles against the attention program's (what it ran at before
 A sliding layer (16 query heads over 8 kv heads of 256, the ring of W - 1 + C = 1279 positions) and a
 full one (16 over 2 of 512) at 1280 and 2048 keys, one 256-token denoise row (bidirectional), bf16.
 Each call is the mean of 200 replays in one CUDA graph (benchmarks/fp8_gemm_bench.time_us); a step runs
-25 sliding and 5 full layers, so `step_us` weighs them so. The two combine tiles must give the same bits
-(a row's result does not depend on its tile): `same_bits`; so must the two loops (the same blocks in
-the same order): `pipelined_same_bits`.
+25 sliding and 5 full layers, so `step_us` weighs them so. `tiles_us`: the call at each of SWEEP's
+tiles (key splits as the served tiles' rule gives them; a tile that does not fit reports why). The two
+combine tiles must give the same bits (a row's result does not depend on its tile): `same_bits`; so
+must the two loops (the same blocks in the same order): `pipelined_same_bits`.
 """
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ C, WINDOW, HEADS = 256, 1024, 16
 # layer kind -> (head dim, kv heads, keys the row's cache holds (before its canvas), ring or None, layers)
 LAYERS = {"sliding": (256, 8, 1280, WINDOW - 1 + C, 25), "full_1280": (512, 2, 1280, None, 5),
           "full_2048": (512, 2, 2048, None, 5)}
+# (query rows, keys, warps, stages) a program, by head dim, timed beside the served lone-canvas tiles
+# (model.kernels.attention.TILES, chosen before the key loop was pipelined): more stages, or fewer keys a
+# tile to make room for a second stage at 512
+# (each fits the H200's shared memory compiled for sm_90; (128, 64, 8, 3) and (64, 32, 8, 3) do not)
+SWEEP = {256: ((128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64, 64, 8, 3)),
+         512: ((64, 64, 8, 1), (64, 32, 8, 2), (32, 64, 4, 2), (32, 32, 4, 2), (32, 32, 4, 3))}
 
 
 def problem(d: int, hkv: int, keys: int, ring: int | None, device: str = "cuda"):
@@ -65,7 +72,7 @@ def combine(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, bm: int, wa
 def measure() -> dict:
     import triton
 
-    from benchmarks.fp8_gemm_bench import time_us
+    from benchmarks.fp8_gemm_bench import time_us, try_us
     from model.kernels import attention as A
 
     result, step = {}, {"served": 0.0, "unpipelined": 0.0, "combine_served": 0.0, "combine_before": 0.0}
@@ -98,6 +105,9 @@ def measure() -> dict:
             step["combine_before"] += weight * row["combine_before_us"]
         step["served"] += weight * served
         step["unpipelined"] += weight * unpipelined
+        row["tiles_us"] = {str(t): try_us(lambda: A.attention(q, k, v, *meta, 1.0, WINDOW if ring else None,  # noqa: B023
+                                                              ring=ring, keys=keys + C, tiles=t))  # noqa: B023
+                           for t in SWEEP[d]}
         result[name] = row
         print(name, json.dumps(row), flush=True)
     result["step_us"] = step
