@@ -56,11 +56,13 @@ bench:
 
 # On the GPU host, like bench: the FP8 kernels' sweeps that choose tiles for DiffusionGemma (about 2-4
 # minutes, mostly compiles): the experts' grouped kernel per projection at 1 and 4 canvases against the read
-# floor and CUTLASS, then the dense projections' cuBLAS against the triton matmul's tiles and K-splits.
+# floor and CUTLASS, then the dense projections' cuBLAS against the triton matmul's tiles and K-splits,
+# then its lone canvas's attention (pipelined key loop or not, tiles, the split combine's tiles).
 .PHONY: bench-fp8-kernels
 bench-fp8-kernels:
 	python3 -m benchmarks.fp8_experts_bench
 	python3 -m benchmarks.fp8_gemm_bench --family diffusion-gemma --sweep
+	python3 -m benchmarks.attention_bench
 
 # On the GPU host, like bench: issue 23's rows under real traffic for one family, from one cold start of
 # a served full-size shape (5-7 minutes on one H200). FAMILY=nemotron-ld|diffusion-gemma; TREE=path
