@@ -164,8 +164,9 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, slot_ptr, start
     anchor = qpos   # read only under a window
     if HAS_WINDOW:
         anchor = tl.where(causal, qpos, start)
-    if INTERPRETED or not PIPELINE:   # a constexpr bound (the interpreter takes no loaded one); blocks past
-        for it in range(ITERS):           # s_hi skip
+    if INTERPRETED or not PIPELINE:
+        # a constexpr trip count (the interpreter takes no loaded bound); the blocks past s_hi skip
+        for it in range(ITERS):
             n0 = s_lo + it * BN
             if n0 < s_hi:
                 m_i, l_i, acc = _key_block(n0, s_hi, first, q, k_ptr, v_ptr, slot, skc, skp, skh, svc, svp, svh, h, d,
@@ -248,8 +249,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     # (+ BN - 1: the range starts at a multiple of BN, up to BN - 1 keys early); 1 for the pipelined loop,
     # which reads its range, so that growing key lengths compile no new variant
     pipeline = PIPELINE_KEYS if pipeline is None else pipeline
-    iters = 1 if pipeline and not INTERPRETED else triton.next_power_of_2(triton.cdiv(triton.cdiv(extent + BN - 1, S),
-                                                                                      BN))
+    iters = 1
+    if INTERPRETED or not pipeline:
+        iters = triton.next_power_of_2(triton.cdiv(triton.cdiv(extent + BN - 1, S), BN))
     out = torch.empty_like(q)
     if S > 1:
         part = torch.empty(S, B * hkv, L * G, D, dtype=torch.float32, device=q.device)

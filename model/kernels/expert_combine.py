@@ -20,7 +20,7 @@ BLOCK = 512
 
 @triton.jit
 def _expert_combine_kernel(y_ptr, slot_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK: tl.constexpr,
-                    INTERPRETED: tl.constexpr):
+                           INTERPRETED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     keep = cols < H
