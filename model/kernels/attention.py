@@ -227,7 +227,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     """q [B, L, Hq, D]; k, v: a cache [slots, positions, Hkv, D] read in place (a ring of `ring`
     positions: p at p mod ring); slots, starts, lengths, causal [B] -> [B, L, Hq, D] in q's dtype.
     `window`: the sliding window W, None for none. `keys`: a host-side bound on start + length over
-    the rows (the loop's trip count; default: the cache's positions). `splits`: key splits (default:
+    the rows (it sizes the key splits, and the interpreter's and the unpipelined loop's trip count: keys
+    past it are dropped there, read by the pipelined loop; default: the cache's positions). `splits`: key splits (default:
     from the shapes alone, never from the metadata's values: no sync). `tiles`: (query rows, keys,
     warps[, pipeline stages]) per program instead of `_config`'s (the tests' small tiles; timings).
     `invariant`: each row's output independent of the other rows (batch-invariant mode). `pipeline`: the
