@@ -55,23 +55,7 @@ def combine_problem(d: int, hkv: int, splits: int, device: str = "cuda"):
     return part, ml
 
 
-def combine(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, bm: int, warps: int) -> None:
-    """The split combine of model.kernels.attention with `bm` rows a program."""
-    import triton
-
-    from model.kernels.attention import _split_combine_kernel
-
-    splits, bhkv, lg, d = part.shape
-    g = out.shape[2] // bhkv
-    block_d = max(16, triton.next_power_of_2(d))
-    _split_combine_kernel[(triton.cdiv(lg, bm), bhkv)](part, ml, out, out.stride(0), out.stride(1), out.stride(2),
-                                                       lg // g, bhkv, HKV=bhkv, G=g, D=d, BLOCK_D=block_d, BM=bm,
-                                                       SPLITS=splits, num_warps=warps)
-
-
 def measure() -> dict:
-    import triton
-
     from benchmarks.fp8_gemm_bench import time_us, try_us
     from model.kernels import attention as A
 
@@ -81,23 +65,23 @@ def measure() -> dict:
         extent = ring if ring is not None else keys + C
         bm, _, warps, _, splits = A._config(d, C * HEADS // hkv, 1, hkv, extent, q.device, False)
 
-        def call(pipeline):
+        def call(**how):
             return A.attention(q, k, v, *meta, 1.0, WINDOW if ring else None, ring=ring, keys=keys + C,  # noqa: B023
-                               pipeline=pipeline)
-        served = time_us(lambda: call(A.PIPELINE_KEYS))
-        unpipelined = time_us(lambda: call(False))
-        same = torch.equal(call(True), call(False))
+                               **how)
+
+        served = time_us(call)
+        unpipelined = time_us(lambda: call(pipeline=False))
+        same = torch.equal(call(pipeline=True), call(pipeline=False))
         weight = layers / (1 if ring is not None else 2)   # full layers: half at each length
         row = {"served_us": served, "unpipelined_us": unpipelined, "pipelined_same_bits": same, "splits": splits,
                "attention_rows": bm, "attention_warps": warps}
         if splits > 1:
             part, ml = combine_problem(d, hkv, splits)
-            tiles = {"served": (max(1, A.COMBINE_VALUES // max(16, triton.next_power_of_2(d))), 4),
-                     "before": (bm, warps)}
+            tiles = {"served": (A.combine_rows(d), 4), "before": (bm, warps)}
             outs = {}
             for tile, (rows, w) in tiles.items():
                 out = torch.empty(1, C, HEADS, d, device="cuda", dtype=torch.bfloat16)
-                row[f"combine_{tile}_us"] = time_us(lambda: combine(part, ml, out, rows, w))  # noqa: B023
+                row[f"combine_{tile}_us"] = time_us(lambda: A.split_combine(part, ml, out, rows, w))  # noqa: B023
                 row[f"combine_{tile}_tile"] = (rows, w)
                 outs[tile] = out
             row["same_bits"] = torch.equal(outs["served"], outs["before"])
@@ -105,9 +89,7 @@ def measure() -> dict:
             step["combine_before"] += weight * row["combine_before_us"]
         step["served"] += weight * served
         step["unpipelined"] += weight * unpipelined
-        row["tiles_us"] = {str(t): try_us(lambda: A.attention(q, k, v, *meta, 1.0, WINDOW if ring else None,  # noqa: B023
-                                                              ring=ring, keys=keys + C, tiles=t))  # noqa: B023
-                           for t in SWEEP[d]}
+        row["tiles_us"] = {str(t): try_us(lambda: call(tiles=t)) for t in SWEEP[d]}  # noqa: B023
         result[name] = row
         print(name, json.dumps(row), flush=True)
     result["step_us"] = step

@@ -1,20 +1,22 @@
-"""benchmarks/attention_bench.py's own launch of the split combine, on the CPU in triton's interpreter:
-at its served tiles and at the attention program's it gives the same bits, and both equal the combined
-softmax state computed in torch (so a GPU session does not spend its time on a wrong launch)."""
+"""The split combine as benchmarks/attention_bench.py launches it (model.kernels.attention.split_combine
+on the bench's partial states), on the CPU in triton's interpreter: at its served tiles and at the
+attention program's it gives the same bits, and both equal the combined softmax state computed in torch
+(so a GPU session does not spend its time on a wrong launch)."""
 from __future__ import annotations
 
 from tests.interpreter import run_interpreted
 
 CODE = r"""
 import torch
-from benchmarks.attention_bench import C, HEADS, combine, combine_problem
+from benchmarks.attention_bench import C, HEADS, combine_problem
+from model.kernels.attention import split_combine
 torch.manual_seed(0)
 for d, hkv, splits, tiles in [(256, 8, 3, [(16, 4), (128, 8)]), (512, 2, 4, [(8, 4), (64, 8)])]:
     part, ml = combine_problem(d, hkv, splits, device="cpu")
     outs = []
     for rows, warps in tiles:
         out = torch.zeros(1, C, HEADS, d, dtype=torch.bfloat16)
-        combine(part, ml, out, rows, warps)
+        split_combine(part, ml, out, rows, warps)
         outs.append(out)
     assert torch.equal(outs[0], outs[1]), d
     m = ml[..., 0].amax(0)
@@ -28,5 +30,5 @@ print("bench combine ok")
 """
 
 
-def test_the_benchs_combine_launch_gives_the_combined_state_at_both_tiles():
+def test_the_benchs_combine_gives_the_combined_state_at_both_tiles():
     run_interpreted(CODE, "bench combine ok", timeout=300)

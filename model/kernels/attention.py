@@ -228,8 +228,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     positions: p at p mod ring); slots, starts, lengths, causal [B] -> [B, L, Hq, D] in q's dtype.
     `window`: the sliding window W, None for none. `keys`: a host-side bound on start + length over
     the rows (it sizes the key splits, and the interpreter's and the unpipelined loop's trip count: keys
-    past it are dropped there, read by the pipelined loop; default: the cache's positions). `splits`: key splits (default:
-    from the shapes alone, never from the metadata's values: no sync). `tiles`: (query rows, keys,
+    past it are dropped there, read by the pipelined loop; default: the cache's positions). `splits`: key
+    splits (default: from the shapes alone, never from the metadata's values: no sync). `tiles`: (query rows, keys,
     warps[, pipeline stages]) per program instead of `_config`'s (the tests' small tiles; timings).
     `invariant`: each row's output independent of the other rows (batch-invariant mode). `pipeline`: the
     compiled key loop over the loaded range (default PIPELINE_KEYS), or the interpreter's (timings)."""
@@ -269,8 +269,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
         ITERS=iters, HAS_WINDOW=window is not None, RING=ring is not None, PRECISION=precision,
         PIPELINE=pipeline, INTERPRETED=INTERPRETED, num_warps=warps, num_stages=stages)
     if S > 1:
-        bm = max(1, COMBINE_VALUES // block_d)   # a row's result does not depend on its tile: the same bits
-        _split_combine_kernel[(triton.cdiv(L * G, bm), B * hkv)](
-            part, ml, out, out.stride(0), out.stride(1), out.stride(2), L, B * hkv, HKV=hkv, G=G, D=D,
-            BLOCK_D=block_d, BM=bm, SPLITS=S, num_warps=4)
+        split_combine(part, ml, out)
     return out
+
+
+def combine_rows(d: int) -> int:
+    """Rows a program of the split combine takes at head dim d: COMBINE_VALUES of fp32 accumulator."""
+    return max(1, COMBINE_VALUES // max(16, triton.next_power_of_2(d)))
+
+
+def split_combine(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, rows: int | None = None,
+                  warps: int = 4) -> None:
+    """The key splits' partial states, part [S, B * Hkv, L * G, D] and their (m, l) [S, B * Hkv, L * G, 2],
+    into out [B, L, Hq, D], in split order; `rows` a program (default combine_rows: a row's result does
+    not depend on its tile, so any gives the same bits)."""
+    splits, bhkv, lg, d = part.shape
+    b, length, hq, _ = out.shape
+    hkv = bhkv // b
+    bm = rows or combine_rows(d)
+    _split_combine_kernel[(triton.cdiv(lg, bm), bhkv)](
+        part, ml, out, out.stride(0), out.stride(1), out.stride(2), length, bhkv, HKV=hkv, G=hq // hkv, D=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BM=bm, SPLITS=splits, num_warps=warps)
