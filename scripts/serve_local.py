@@ -7,10 +7,11 @@ environment variables MODEL, TP and PORT give the same settings; arguments win. 
 app from what Ray has (the device, and whether it can hold the placement: an error if it never can),
 loads the weights before printing the ready message and curl examples, then serves until Ctrl-C (or
 SIGTERM), when it shuts Serve and Ray down: in whatever state it is (starting, placement pending,
-serving).
+serving). SIGUSR1 prints every thread's Python stack to stderr (where a stop that does not end is stuck).
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -56,6 +57,7 @@ def _stop_on_signals() -> None:
     background job of a non-interactive shell)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _terminate)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def main(argv: list[str]) -> None:

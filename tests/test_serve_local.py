@@ -40,10 +40,23 @@ def serve_local(tmp_path, tiny_nemotron):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def stuck(proc, log: Path) -> str:
+    """What a stop that did not end was doing: its Python stacks (SIGUSR1: faulthandler) and its group."""
+    os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(2)
+    group = subprocess.run(["ps", "--cols", "160", "-o", "pid,stat,etime,args", "-g", str(proc.pid)],
+                           capture_output=True, text=True)
+    return f"{log.read_text()[-6000:]}\n{group.stdout}"
+
+
 def ctrl_c(proc, log: Path, within_s: float) -> None:
     os.killpg(proc.pid, signal.SIGINT)
     start = time.monotonic()
-    assert proc.wait(timeout=within_s + 30) == 0, log.read_text()[-3000:]
+    try:
+        code = proc.wait(timeout=within_s + 30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"no exit {within_s + 30} s after Ctrl-C:\n{stuck(proc, log)}")
+    assert code == 0, log.read_text()[-3000:]
     wait_until(lambda: not group_alive(proc.pid), 30, "every process of its group to exit")
     assert time.monotonic() - start < within_s, log.read_text()[-3000:]
 
