@@ -13,9 +13,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_setup(item):
+    from tests.interpreter import start_module_ahead
+
+    start_module_ahead(item)
+
+
 def pytest_sessionfinish(session, exitstatus):
+    from tests.interpreter import stop_ahead
     from tests.serve_harness import stop_shared_serve
 
+    stop_ahead()
     stop_shared_serve()
 
 

@@ -4,7 +4,9 @@ attention program's it gives the same bits, and both equal the combined softmax 
 (so a GPU session does not spend its time on a wrong launch)."""
 from __future__ import annotations
 
-from tests.interpreter import run_interpreted
+import pytest
+
+from tests.interpreter import run_marked
 
 CODE = r"""
 import torch
@@ -30,5 +32,6 @@ print("bench combine ok")
 """
 
 
-def test_the_benchs_combine_gives_the_combined_state_at_both_tiles():
-    run_interpreted(CODE, "bench combine ok", timeout=300)
+@pytest.mark.interpreted(CODE, "bench combine ok", timeout=300)
+def test_the_benchs_combine_gives_the_combined_state_at_both_tiles(request):
+    run_marked(request)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.interpreter import run_interpreted
+from tests.interpreter import run_marked
 
 CHECK = r"""
 import random, time
@@ -103,8 +103,9 @@ print("fixed cases pass")
 """
 
 
-def test_fixed_steps_equal_sdpa():
-    run_interpreted(FIXED, "fixed cases pass", timeout=120)
+@pytest.mark.interpreted(FIXED, "fixed cases pass", timeout=120)
+def test_fixed_steps_equal_sdpa(request):
+    run_marked(request)
 
 
 # the split combine's row tile (COMBINE_VALUES / head dim) is its own, not the attention program's: a
@@ -128,13 +129,16 @@ print("combine tiles agree")
 """
 
 
-def test_split_combine_tiles_give_the_same_bits():
-    run_interpreted(COMBINE_TILES, "combine tiles agree", timeout=120)
+@pytest.mark.interpreted(COMBINE_TILES, "combine tiles agree", timeout=120)
+def test_split_combine_tiles_give_the_same_bits(request):
+    run_marked(request)
 
 
-@pytest.mark.parametrize("D,seed,n", [(64, 1, 25), (128, 2, 20), (256, 3, 15)])
-def test_random_steps_equal_sdpa(D, seed, n):
-    run_interpreted(CHECK + f"run({D}, {seed}, {n})\nprint('random cases pass')", "random cases pass", timeout=120)
+@pytest.mark.parametrize("D,seed,n", [pytest.param(D, seed, n, marks=pytest.mark.interpreted(
+    CHECK + f"run({D}, {seed}, {n})\nprint('random cases pass')", "random cases pass", timeout=120))
+    for D, seed, n in [(64, 1, 25), (128, 2, 20), (256, 3, 15)]])
+def test_random_steps_equal_sdpa(D, seed, n, request):
+    run_marked(request)
 
 
 # batch invariance: a row alone (its own width and key bound) and among neighbours (a wider step, more
@@ -185,14 +189,19 @@ print(f"{mismatches} of {cases} rows differ")
 """
 
 
-def test_invariant_rows_keep_their_bits_among_neighbours():
-    """With invariant=True no row differs; the same check over the default config (whose splits follow
-    the batch) finds rows that do, so it can tell."""
-    code = INVARIANT.replace("INVARIANT_FLAG", "True").replace("INVARIANT_DTYPES", "(torch.float32, torch.bfloat16)")
-    run_interpreted(code, "0 of 36 rows differ", timeout=150)
-    # the default config's rows differ in fp32 already
-    code = INVARIANT.replace("INVARIANT_FLAG", "False").replace("INVARIANT_DTYPES", "(torch.float32,)")
-    out = run_interpreted(code, "rows differ", timeout=150)
+@pytest.mark.interpreted(INVARIANT.replace("INVARIANT_FLAG", "True").replace(
+    "INVARIANT_DTYPES", "(torch.float32, torch.bfloat16)"), "0 of 36 rows differ", timeout=150)
+def test_invariant_rows_keep_their_bits_among_neighbours(request):
+    """With invariant=True no row differs."""
+    run_marked(request)
+
+
+@pytest.mark.interpreted(INVARIANT.replace("INVARIANT_FLAG", "False").replace("INVARIANT_DTYPES", "(torch.float32,)"),
+                         "rows differ", timeout=150)
+def test_the_default_configs_rows_differ_among_neighbours(request):
+    """The same check over the default config (whose splits follow the batch) finds rows that differ, in
+    fp32 already, so the check above can tell."""
+    out = run_marked(request)
     assert "0 of 18 rows differ" not in out, out
 
 
@@ -230,8 +239,9 @@ print("switch equals sdpa")
 """
 
 
-def test_cached_attention_switch_equals_sdpa():
-    run_interpreted(SWITCH, "switch equals sdpa", timeout=120)
+@pytest.mark.interpreted(SWITCH, "switch equals sdpa", timeout=120)
+def test_cached_attention_switch_equals_sdpa(request):
+    run_marked(request)
 
 
 def _gpu_step(kv, B, width, starts_from, window, gen):

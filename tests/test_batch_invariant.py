@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.interpreter import run_interpreted
+from tests.interpreter import run_marked
 from tests.tp_harness import spawn_tp
 
 KERNEL_CHECK = r"""
@@ -113,16 +113,18 @@ print("fp8 invariant kernels ok")
 """
 
 
-def test_invariant_kernels_in_the_interpreter():
-    run_interpreted(KERNEL_CHECK, "invariant kernels ok")
+@pytest.mark.interpreted(KERNEL_CHECK, "invariant kernels ok")
+def test_invariant_kernels_in_the_interpreter(request):
+    run_marked(request)
 
 
-def test_fp8_operands_in_the_interpreter():
+@pytest.mark.interpreted(FP8_CHECK, "fp8 invariant kernels ok")
+def test_fp8_operands_in_the_interpreter(request):
     """The same kernels with FP8-dynamic operands (model.kernels.fp8 runs them for the experts at few rows
     per expert, and for every FP8 layer in the batch-invariant mode): the reference's products summed in
     fp32 and the two scales applied, a row's bits the same alone and in a batch, rows and scales gathered;
     the grouped kernel's swapped tiles (the tokens as the MMA's narrow side) too."""
-    run_interpreted(FP8_CHECK, "fp8 invariant kernels ok")
+    run_marked(request)
 
 
 def ordered_sum_worker(rank: int, world_size: int, out_dir: str) -> None:
@@ -172,8 +174,9 @@ print("cumsum ok")
 """
 
 
-def test_row_cumsum_in_the_interpreter():
-    run_interpreted(CUMSUM_CHECK, "cumsum ok")
+@pytest.mark.interpreted(CUMSUM_CHECK, "cumsum ok")
+def test_row_cumsum_in_the_interpreter(request):
+    run_marked(request)
 
 
 COMPILE_CHECK = r"""
@@ -194,7 +197,8 @@ print("compiled ok")
 """
 
 
-def test_the_row_kernel_compiles_inside_a_fused_chain():
+@pytest.mark.interpreted(COMPILE_CHECK, "compiled ok", timeout=600)
+def test_the_row_kernel_compiles_inside_a_fused_chain(request):
     """torch.compile (fullgraph, dynamic shapes) takes the mode's row sum as an opaque op inside a norm's
     chain, and the compiled chain gives a row the same bits at 9, 3 and 1 rows."""
-    run_interpreted(COMPILE_CHECK, "compiled ok", timeout=600)
+    run_marked(request)

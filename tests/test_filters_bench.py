@@ -4,23 +4,29 @@ import json
 
 import pytest
 
-from tests.interpreter import ROOT, run_interpreted
+from tests.interpreter import ROOT, run_interpreted, run_marked
 
 BENCH = r"""
+import tempfile
+from pathlib import Path
 from benchmarks.filters_bench import main
-code = main(["--tiny", "--shapes", "nem_tiny_fp32", "--asks", "mixed", "traffic", "--iters", "1",
-             "--profile", "--against", {against!r}, "--json", {json!r}])
+out = Path(tempfile.mkdtemp()) / "bench.json"
+code = main(["--tiny", "--shapes", "nem_tiny_fp32", "--asks", {ask!r}, "--iters", "1",
+             "--profile", "--against", {against!r}, "--json", str(out)])
 print("bench exit", code)
+print("json:", out.read_text().replace("\n", " "))
 """
 
 
-def test_tiny_bench_times_and_checks_a_module_against_in_the_interpreter(tmp_path):
-    out = tmp_path / "bench.json"
-    printed = run_interpreted(BENCH.format(against=str(ROOT / "model/kernels/filters.py"),
-                                           json=str(out)), "bench exit 0", timeout=300)
+@pytest.mark.parametrize("ask", [  # one snippet an ask, run side by side (tests/interpreter.py)
+    pytest.param(ask, marks=pytest.mark.interpreted(
+        BENCH.format(ask=ask, against=str(ROOT / "model/kernels/filters.py")), "bench exit 0", timeout=300))
+    for ask in ("mixed", "traffic")])
+def test_tiny_bench_times_and_checks_a_module_against_in_the_interpreter(ask, request):
+    printed = run_marked(request)
     assert "against_ms" in printed and "--profile: no CUDA device" in printed
-    rows = json.loads(out.read_text())["cases"]
-    assert [row["ask"] for row in rows] == ["mixed", "traffic"]
+    rows = json.loads(printed.split("json:", 1)[1])["cases"]
+    assert [row["ask"] for row in rows] == [ask]
     for row in rows:
         assert row["exact"] and row["against_exact"] and row["against_ms"] > 0 and row["speedup"] > 0
 

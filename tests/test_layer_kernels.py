@@ -6,7 +6,7 @@ routing (model/kernels/routing.py) and weighted combine of expert outputs (model
 import pytest
 import torch
 
-from tests.interpreter import run_interpreted
+from tests.interpreter import run_marked
 
 CHECK = r"""
 import torch
@@ -106,7 +106,7 @@ def routing_case(t, k, e, block_m, seed, device):
     assert torch.equal(tile_expert.cpu().long(), expert)
     assert torch.equal(tile_row.cpu().long()[real], row[real])
 
-def run(device, dtypes):
+def run(device, dtypes, routing=True):
     for dtype, tol in dtypes:
         for (b, n, hq, hkv, d, with_v) in ((1, 5, 4, 2, 32, True), (2, 3, 4, 1, 64, False)):
             ref, ours = qkv_case(b, n, hq, hkv, d, with_v, dtype, seed=d, device=device)
@@ -125,17 +125,21 @@ def run(device, dtypes):
             assert ours.dtype == dtype
             err = ((ours.float() - ref).abs() / (ref.abs() + 1)).max().item()
             assert err <= tol, ("combine", dtype, h, err)
-    for (t, k, e, block_m) in ((5, 2, 8, 4), (300, 8, 128, 64), (1100, 8, 128, 64)):  # 1 and 2 SUBs a chunk
-        routing_case(t, k, e, block_m, seed=t, device=device)
+    for (t, k, e, block_m) in ((5, 2, 8, 4), (300, 8, 128, 64), (1100, 8, 128, 64)) if routing else ():
+        routing_case(t, k, e, block_m, seed=t, device=device)   # 1 and 2 SUBs a chunk
     print("kernels equal the reference")
 """
 
 
-def test_kernels_equal_torch_reference_interpreted():
+@pytest.mark.parametrize("part", [  # two snippets, run side by side (tests/interpreter.py)
+    pytest.param(p, marks=pytest.mark.interpreted(CHECK + f"run('cpu', {p})", "kernels equal the reference",
+                                                  timeout=200))
+    for p in ("[(torch.float32, 1e-5)], routing=False", "[(torch.bfloat16, 2 ** -6)], routing=False", "[]")],
+    ids=["fp32", "bf16", "routing"])
+def test_kernels_equal_torch_reference_interpreted(part, request):
     """fp32 to 1e-5; bf16 within two roundings of the fp32 result (DiffusionGemma's q and k round after
-    the norm, as transformers does, and again at the end)."""
-    run_interpreted(CHECK + "run('cpu', [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -6)])",
-                    "kernels equal the reference", timeout=200)
+    the norm, as transformers does, and again at the end); the routing's tiles exactly."""
+    run_marked(request)
 
 
 @pytest.mark.gpu

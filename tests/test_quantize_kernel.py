@@ -4,7 +4,9 @@ against the unfused function (model.fused as written) followed by model.fp8's re
 The interpreter rounds fp32 to FP8 wrongly, so the kernel is asked here for its quotients in fp32 and
 torch rounds them; the FP8 cast itself is the GPU's, and the exact roundings are checked there
 (tests/test_fp8_gpu.py)."""
-from tests.interpreter import run_interpreted
+import pytest
+
+from tests.interpreter import run_marked
 
 CHECK = r"""
 import torch
@@ -59,5 +61,6 @@ print("quantize kernel ok")
 """
 
 
-def test_producers_quantized_in_the_row_kernel():
-    run_interpreted(CHECK, "quantize kernel ok")
+@pytest.mark.interpreted(CHECK, "quantize kernel ok")
+def test_producers_quantized_in_the_row_kernel(request):
+    run_marked(request)

@@ -7,7 +7,7 @@ import torch
 from model.parallel.group import TPGroup
 from model.sampling import noise
 from model.sampling import stats as S
-from tests.interpreter import run_interpreted
+from tests.interpreter import run_marked
 
 TP1 = TPGroup()
 
@@ -151,8 +151,9 @@ print("triton == torch")
 """
 
 
-def test_triton_pass_equals_torch_pass_in_the_interpreter():
-    run_interpreted(TRITON_CHECK, "triton == torch")
+@pytest.mark.interpreted(TRITON_CHECK, "triton == torch")
+def test_triton_pass_equals_torch_pass_in_the_interpreter(request):
+    run_marked(request)
 
 
 RANK_TOP_CHECK = r"""
@@ -178,10 +179,11 @@ print("rank and top-k: triton == torch")
 """
 
 
-def test_triton_rank_top_k_equals_torch_in_the_interpreter():
+@pytest.mark.interpreted(RANK_TOP_CHECK, "rank and top-k: triton == torch", timeout=200)
+def test_triton_rank_top_k_equals_torch_in_the_interpreter(request):
     """The scored rows' second read (rank counts and top-k keys by per-tile sort and merge) equals the
     torch reference exactly, over several tiles and splits, ties and a slice narrower than k."""
-    run_interpreted(RANK_TOP_CHECK, "rank and top-k: triton == torch", timeout=200)
+    run_marked(request)
 
 
 THRESHOLD_CHECK = r"""
@@ -227,12 +229,13 @@ print("thresholds: triton == torch")
 """
 
 
-def test_triton_thresholds_equal_torch_in_the_interpreter():
+@pytest.mark.interpreted(THRESHOLD_CHECK, "thresholds: triton == torch", timeout=300)
+def test_triton_thresholds_equal_torch_in_the_interpreter(request):
     """The filters' radix select over the raw logits' keys (model/kernels/filters.py) finds the thresholds
     torch's select over the decided values finds: top-k, top-p, both and neither, fp32 logits divided by
     T and bf16 logits softcapped, a tie, -inf entries, a vocabulary offset, a saturated softcap,
     several splits and tiles a row, negative bf16 thresholds and a k-th largest logit of -inf."""
-    run_interpreted(THRESHOLD_CHECK, "thresholds: triton == torch", timeout=300)
+    run_marked(request)
 
 
 CACHED_CHECK = r"""
@@ -269,12 +272,13 @@ print("cached tile maxima: triton == torch")
 """
 
 
-def test_triton_thresholds_from_cached_tile_maxima_in_the_interpreter():
+@pytest.mark.interpreted(CACHED_CHECK, "cached tile maxima: triton == torch", timeout=300)
+def test_triton_thresholds_from_cached_tile_maxima_in_the_interpreter(request):
     """Passes decide a tile from its cached maximum (read first for every row asking a filter; loaded a
     tile at a time or the split's at once): rows asking top-k only, top-p only, both and neither in one
     batch, the survivors clustered in one tile (later passes skip the rest), several splits, a ragged
     last split and tile, a split narrower than SPLIT, both count paths."""
-    run_interpreted(CACHED_CHECK, "cached tile maxima: triton == torch", timeout=300)
+    run_marked(request)
 
 
 ASKED_CHECK = r"""
@@ -293,9 +297,10 @@ print("asked rows only")
 """
 
 
-def test_triton_scores_skip_rows_that_asked_none_in_the_interpreter():
+@pytest.mark.interpreted(ASKED_CHECK, "asked rows only", timeout=200)
+def test_triton_scores_skip_rows_that_asked_none_in_the_interpreter(request):
     """A graph's plan scores every row; the kernel computes only what each row's request asked for."""
-    run_interpreted(ASKED_CHECK, "asked rows only", timeout=200)
+    run_marked(request)
 
 
 def test_scores_are_log_probabilities_at_most_0():
@@ -350,12 +355,13 @@ print("bound: the k-th largest maximum")
 """
 
 
-def test_top_k_bound_is_the_kth_largest_tile_maximum():
+@pytest.mark.interpreted(BOUND_CHECK, "bound: the k-th largest maximum", timeout=200)
+def test_top_k_bound_is_the_kth_largest_tile_maximum(request):
     """L, the bound the top-k passes skip tiles by (a bisection over the tile maxima's keys in triton,
     no sort): the k-th largest of a row position's tile maxima over all its splits, equal to the sorted
     maxima's k-th, ties counted, -inf maxima and both signs, -inf for rows asking no top-k or a k past
     the tiles; never above the k-th largest logit of the position (a tile's maximum is an entry)."""
-    run_interpreted(BOUND_CHECK, "bound: the k-th largest maximum", timeout=200)
+    run_marked(request)
 
 
 def test_first_mass_pass_normalises_like_logsumexp():
