@@ -44,6 +44,7 @@ def time_us(fn, reps: int = 200) -> float:
     with torch.cuda.graph(graph):
         for _ in range(reps):
             fn()
+    graph.replay()   # untimed: a graph's first replay uploads it (a sweep's first setting timed ~5-10% slow)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
