@@ -44,7 +44,8 @@ def time_us(fn, reps: int = 200) -> float:
     with torch.cuda.graph(graph):
         for _ in range(reps):
             fn()
-    graph.replay()   # untimed: a graph's first replay uploads it (a sweep's first setting timed ~5-10% slow)
+    graph.replay()   # untimed, in case a graph's first replay pays for its upload (a guess at why an
+    # experts sweep's first setting timed 4-11% slow where the step showed no difference)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

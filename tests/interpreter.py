@@ -24,7 +24,7 @@ JOBS = max(1, min(2, os.cpu_count() or 1))
 
 _pool: ThreadPoolExecutor | None = None
 _ahead: dict[str, Future] = {}   # a snippet's code -> its background run
-_started_modules: set[str] = set()
+_started_modules: set[Path] = set()
 
 
 def _interpret(code: str, timeout: float) -> subprocess.CompletedProcess:
@@ -52,12 +52,13 @@ def run_marked(request: pytest.FixtureRequest) -> str:
 def start_module_ahead(item: pytest.Item) -> None:
     """Queues the snippet of every selected test of `item`'s module, once per module."""
     global _pool
-    module = item.nodeid.split("::")[0]
-    if module in _started_modules or importlib.util.find_spec("triton") is None:
+    if item.path in _started_modules:
         return
-    _started_modules.add(module)
+    _started_modules.add(item.path)
+    if importlib.util.find_spec("triton") is None:
+        return
     for other in item.session.items:
-        if other.nodeid.split("::")[0] != module or other.get_closest_marker("skip"):
+        if other.path != item.path or other.get_closest_marker("skip"):
             continue
         mark = other.get_closest_marker("interpreted")
         if mark is not None and mark.args[0] not in _ahead:

@@ -259,7 +259,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
         ml = torch.empty(S, B * hkv, L * G, 2, dtype=torch.float32, device=q.device)
     else:
         part = ml = out   # unused
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = _block_d(D)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _attn_kernel[(grid_m, B * hkv, S)](
         q, k, v, out, part, ml, slots, starts, lengths, causal,
@@ -273,9 +273,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     return out
 
 
+def _block_d(d: int) -> int:
+    """The head dim as a program holds it: a power of two, at least tl.dot's 16."""
+    return max(16, triton.next_power_of_2(d))
+
+
 def combine_rows(d: int) -> int:
     """Rows a program of the split combine takes at head dim d: COMBINE_VALUES of fp32 accumulator."""
-    return max(1, COMBINE_VALUES // max(16, triton.next_power_of_2(d)))
+    return max(1, COMBINE_VALUES // _block_d(d))
 
 
 def split_combine(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, rows: int | None = None,
@@ -289,4 +294,4 @@ def split_combine(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, rows:
     bm = rows or combine_rows(d)
     _split_combine_kernel[(triton.cdiv(lg, bm), bhkv)](
         part, ml, out, out.stride(0), out.stride(1), out.stride(2), length, bhkv, HKV=hkv, G=hq // hkv, D=d,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), BM=bm, SPLITS=splits, num_warps=warps)
+        BLOCK_D=_block_d(d), BM=bm, SPLITS=splits, num_warps=warps)
