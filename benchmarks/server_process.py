@@ -32,8 +32,9 @@ READY_LINE = "dllm-serve is ready"   # what serve_local prints once the weights 
 # the metrics of CUDA graphs while serving (absent on servers older than issue 23: None)
 GRAPH_METRICS = ("dllm_eager_steps_total", "dllm_graph_captures_total", "dllm_cuda_graphs",
                  "dllm_cuda_graph_memory_bytes")
-# the runner's step counters: batched forward passes and the rows they carried (passes: absent before it)
-STEP_METRICS = ("dllm_passes_total", "dllm_forwards_total")
+# the runner's step counters: batched forward passes and the rows they carried (passes: absent before it),
+# and the seconds rank 0's runner spent executing commands (the rest of a phase's wall is the control plane's)
+STEP_METRICS = ("dllm_passes_total", "dllm_forwards_total", "dllm_shard_busy_seconds_total")
 SCRAPED = GRAPH_METRICS + STEP_METRICS
 
 

@@ -376,7 +376,17 @@ def derive(result: dict, levels: list[int]) -> dict:
         "seed_ms_per_pass": {c: _ms_per_pass(seed.get(c), n) for c, n in seed_passes.items()},
         "seed_rows_per_pass": {c: _ratio(_delta(seed.get(c), "dllm_forwards_total"), n)
                                for c, n in seed_passes.items()},
+        # the share of the phase's duration the shards spent executing commands: 1 - it is the time the
+        # GPU waited on the host (HTTP, Ray, the scheduler), an upper bound since a command's execute
+        # time also covers its own host work
+        "seed_busy_share": {str(c): _busy_share(seed.get(str(c))) for c in levels},
     }
+
+
+def _busy_share(phase: dict | None) -> float | None:
+    s = (phase or {}).get("summary")
+    busy = _delta(phase, "dllm_shard_busy_seconds_total")
+    return _ratio(busy, s["duration"]) if s and s.get("duration") and busy is not None else None
 
 
 def rows(result: dict) -> list[tuple[str, float | None, str]]:
@@ -407,6 +417,9 @@ def rows(result: dict) -> list[tuple[str, float | None, str]]:
         ms = (r.get("seed_ms_per_pass") or {}).get(c)
         if ms is not None:
             out.append((f"seed at concurrency {c}: ms a pass ({_fmt(r['seed_rows_per_pass'][c])} rows)", ms, ""))
+        busy = (r.get("seed_busy_share") or {}).get(c)
+        if busy is not None:
+            out.append((f"seed at concurrency {c}: shards' busy share of the time", busy, ""))
     return out
 
 

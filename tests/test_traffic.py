@@ -83,6 +83,8 @@ def test_traffic_measures_a_tiny_server_from_its_cold_start(tiny_nemotron, tmp_p
         assert f"{name}: passes ({traffic._fmt(rows['rows_per_pass'][name])} rows, " \
                f"{traffic._fmt(rows['ms_per_pass'][name])} ms each)" in table
     assert 0 < rows["seed_rows_per_pass"]["2"] <= 2 and "seed at concurrency 2: ms a pass (" in table
+    # the shards ran commands for part of each seed level's duration (the rest: HTTP, Ray, the scheduler)
+    assert all(0 < rows["seed_busy_share"][c] <= 1.05 for c in ("1", "2")), rows["seed_busy_share"]
     assert rows["mixed_over_homogeneous_passes"] == rows["passes"]["mixed"] / rows["passes"]["homogeneous"]
 
     saved = json.loads(opts.out.read_text())
@@ -144,9 +146,9 @@ def test_parse_metrics_sums_labels_and_reports_absent_series_as_none():
 
 def _phase(tok_s: float, median_ms: float, p99_ms: float, memory: float | None, captures: float | None,
            failed: int = 0, passes: float | None = None, forwards: float | None = None,
-           duration_s: float = 10.0) -> dict:
+           duration_s: float = 10.0, busy_s: float | None = None) -> dict:
     metrics = dict.fromkeys(GRAPH_METRICS) | {"dllm_graph_captures_total": captures}
-    delta = {"dllm_passes_total": passes, "dllm_forwards_total": forwards}
+    delta = {"dllm_passes_total": passes, "dllm_forwards_total": forwards, "dllm_shard_busy_seconds_total": busy_s}
     return {"requests": 8, "memory_after_mib": memory, "metrics_after": metrics, "metrics_delta": delta,
             "wall_s": duration_s + 0.05,
             "summary": {"completed": 8 - failed, "failed": failed, "output_throughput": tok_s,
@@ -176,7 +178,8 @@ def test_rows_from_synthetic_phases():
                          "mixed": _phase(920, 2000, 3600, 70_030.0, 2.0, failed=1, passes=200, forwards=1400,
                                          duration_s=12.0)},
               "seed": {"warmup": _phase(700, 1300, 1300, 70_030.0, 2.0), "1": _phase(800, 1300, 1300, 70_030.0, 2.0),
-                       "2": _phase(1500, 1400, 1400, 70_030.0, 3.0, passes=80, forwards=160, duration_s=4.0)}}
+                       "2": _phase(1500, 1400, 1400, 70_030.0, 3.0, passes=80, forwards=160, duration_s=4.0,
+                                   busy_s=3.6)}}
     rows = result["rows"] = traffic.derive(result, [1, 2])
     assert rows["mixed_over_homogeneous"] == pytest.approx(0.92) and rows["mixed_p99_over_median"] == 1.8
     assert rows["mixed_over_matched"] is None and "mixed / matched" not in traffic.format_table(result)
@@ -192,7 +195,11 @@ def test_rows_from_synthetic_phases():
     # the phase's duration (tok/s's clock, not its wall time with the scrapes) over its passes
     assert rows["ms_per_pass"] == {"homogeneous": 50.0, "matched": None, "mixed": 60.0}
     assert rows["seed_ms_per_pass"] == {"1": None, "2": 50.0} and rows["seed_rows_per_pass"]["2"] == 2.0
+    # the shards' execute time over the phase's duration (None without the series)
+    assert rows["seed_busy_share"] == {"1": None, "2": pytest.approx(0.9)}
     table = traffic.format_table(result)
+    assert "seed at concurrency 2: shards' busy share of the time" in table
+    assert "seed at concurrency 1: shards' busy share" not in table
     assert "mixed: passes (7 rows, 60 ms each)" in table and "seed at concurrency 2: ms a pass (2 rows)" in table
     # a phase that timed out: its requests count as failed, its rows are None
     result["phases"]["mixed"] = {"requests": 8, "memory_after_mib": None, "summary": None,
