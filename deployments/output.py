@@ -56,7 +56,12 @@ class OutputAssembler:
         self.done = False
         self.scored = False              # the request asked for scores
         self._pending: list[tuple] = []  # (id, offset in text, logprob, rank, top) not yet released
-        self._prefix = self._read = 0    # decode window: ids[prefix:read] gave `_prefix_text`
+        # the tokens that can add text: all but those the decode skips (special tokens). A run of skipped
+        # tokens (a model emitting padding under ignore_eos) would otherwise sit in the decode window,
+        # which only moves on when text grows, and every later token would decode the whole run again
+        self._silent = silent_ids(tokenizer)
+        self._texted: list[int] = []
+        self._prefix = self._read = 0    # decode window: _texted[prefix:read] gave `_prefix_text`
         self._prefix_text = ""
 
     def _decode(self, ids: list[int]) -> str:
@@ -67,21 +72,25 @@ class OutputAssembler:
         more than before and ends in a complete character (no trailing U+FFFD)."""
         offset = len(self.text)
         self.token_ids.append(token_id)
-        full = self._decode(self.token_ids[self._prefix:])
+        if token_id in self._silent:   # the decode drops it wherever it stands
+            return offset
+        ids = self._texted
+        ids.append(token_id)
+        full = self._decode(ids[self._prefix:])
         # A character is at most 4 bytes: a window still incomplete after 4 tokens holds invalid UTF-8,
         # which no later token can complete; let it out (as U+FFFD) rather than hold the stream.
-        stuck = len(self.token_ids) - self._read >= 4
+        stuck = len(ids) - self._read >= 4
         if len(full) > len(self._prefix_text) and (stuck or not full.endswith(_REPLACEMENT)):
             self.text += full[len(self._prefix_text):]
-            self._prefix, self._read = self._read, len(self.token_ids)
-            self._prefix_text = self._decode(self.token_ids[self._prefix:self._read])
+            self._prefix, self._read = self._read, len(ids)
+            self._prefix_text = self._decode(ids[self._prefix:self._read])
         return offset
 
     def _flush_partial(self) -> None:
         """At the end: whatever the window still holds (an incomplete character becomes U+FFFD)."""
-        full = self._decode(self.token_ids[self._prefix:])
+        full = self._decode(self._texted[self._prefix:])
         self.text += full[len(self._prefix_text):]
-        self._prefix = self._read = len(self.token_ids)
+        self._prefix = self._read = len(self._texted)
         self._prefix_text = ""
 
     def _held_back(self) -> int:
@@ -143,6 +152,14 @@ class OutputAssembler:
         self.done = True
         self._flush_partial()
         return self._release(len(self.text))
+
+
+@lru_cache(maxsize=16)
+def silent_ids(tokenizer) -> frozenset[int]:
+    """The special tokens that decode to nothing with skip_special_tokens (all of them, in the tokenizers
+    we serve; one that the tokenizer does not flag as special keeps its text)."""
+    return frozenset(i for i in tokenizer.all_special_ids
+                     if tokenizer.decode([i], skip_special_tokens=True, clean_up_tokenization_spaces=False) == "")
 
 
 # --------------------------------------------------------------------------------------- formatting

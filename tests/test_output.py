@@ -144,3 +144,37 @@ def test_chat_logprobs_bytes_and_inf(tok):
     assert partial and partial[0] == "bytes:\\xc3"  # the first byte of "ö", spelt as OpenAI does
     assert token_piece(tok, tok.eos_token_id) == ("</s>", b"</s>")
     assert chat_logprobs(tok, ids[:1], [-1.0], None).content[0].top_logprobs == []
+
+
+class CountingTokenizer:
+    """A tokenizer whose decode calls are counted by the ids they decode (what a window costs)."""
+
+    def __init__(self, tok):
+        self.tok, self.decoded = tok, 0
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def decode(self, ids, **kw):
+        self.decoded += len(ids)
+        return self.tok.decode(ids, **kw)
+
+
+def test_a_run_of_special_tokens_costs_each_token_once(tok):
+    """A model padding out max_tokens under ignore_eos emits a long run of special tokens, which the decode
+    drops: they must not pile up in the decode window (every later token would decode the whole run
+    again, quadratic in its length; 1,024 of them took the ingress ~60 ms a request), and the text around
+    them, a multi-byte character split by them included, is the full decode's."""
+    text_ids = tok.encode(TEXT, add_special_tokens=False)
+    cut = text_ids.index(tok.encode("日", add_special_tokens=False)[0]) + 1   # inside 日's three byte tokens
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids = text_ids[:cut] + [pad] * 2000 + text_ids[cut:] + [pad] * 2000
+    counting = CountingTokenizer(tok)
+    asm = OutputAssembler(counting, [])
+    deltas = [asm.add(o) for o in blocks(ids, [256] * (len(ids) // 256) + [len(ids) % 256])]
+    assert "".join(d.text for d in deltas) == tok.decode(ids, skip_special_tokens=True) == TEXT
+    assert [t for d in deltas for t in d.token_ids] == ids
+    assert counting.decoded < 10 * len(text_ids) + 100, counting.decoded   # not ~ 2,000 x 2,000
+    # each pad takes the offset of the text after it
+    offsets = [o for d in deltas for o in d.text_offsets]
+    assert offsets[cut:cut + 2000] == [offsets[cut]] * 2000 and offsets[-1] == len(TEXT)
