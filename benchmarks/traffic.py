@@ -37,6 +37,8 @@ of issue 23, printed as a table and saved with every figure as JSON:
   graphs captured after ready                     target 0 (dllm_graph_captures_total at the end)
   GPU memory after the mixed phase - after warm-up   target about 0
   seed workload tok/s per concurrency, and its ratio to concurrency 1
+  seed workload: ms a pass, rows a pass, and the shards' busy share of its duration (the rest is
+                 the control plane's: HTTP, Serve, the scheduler)
 
 Committed tok/s is a phase's usage.completion_tokens over its duration, of every request (a diffusion
 server emits only committed tokens; bench_stats' committed_throughput counts only the requests that
