@@ -7,7 +7,8 @@ environment variables MODEL, TP and PORT give the same settings; arguments win. 
 app from what Ray has (the device, and whether it can hold the placement: an error if it never can),
 loads the weights before printing the ready message and curl examples, then serves until Ctrl-C (or
 SIGTERM), when it shuts Serve and Ray down: in whatever state it is (starting, placement pending,
-serving). SIGUSR1 prints every thread's Python stack to stderr (where a stop that does not end is stuck).
+serving; a Ctrl-C while Ray starts takes effect once ray.init returns). SIGUSR1 prints every thread's
+Python stack to stderr (where a stop that does not end is stuck).
 """
 from __future__ import annotations
 
@@ -60,6 +61,17 @@ def _stop_on_signals() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
+def _defer_signals() -> list[int]:
+    """Ctrl-C and SIGTERM noted, not raised, while ray.init forks Ray's processes: a KeyboardInterrupt
+    raised inside a fork's after-fork hook (logging's, which releases its module lock) is swallowed by
+    the interpreter with that lock still held, and every other thread that logs then waits forever (the
+    router's, which serve.shutdown waits on). The caller raises it once ray.init returns."""
+    caught: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: caught.append(signum))
+    return caught
+
+
 def main(argv: list[str]) -> None:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
@@ -80,8 +92,11 @@ def main(argv: list[str]) -> None:
         # Every state ends the same way on Ctrl-C: Ray starting, the app deploying (weights loading,
         # placement pending), serving.
         print("starting Ray ...", flush=True)
+        caught = _defer_signals()
         ray.init()   # a local Ray on this machine (or, with RAY_ADDRESS, the cluster there)
         _stop_on_signals()   # again: ray.init installs its own SIGTERM handler
+        if caught:   # a Ctrl-C (or SIGTERM) while Ray started
+            raise KeyboardInterrupt
         app = build_app(args)  # the device and the placement from the cluster Ray now has
         print("deploying ...", flush=True)
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -74,3 +74,38 @@ def test_ctrl_c_while_serving(serve_local):
     assert proc.poll() is None, log.read_text()[-3000:]
     ctrl_c(proc, log, 45)
     assert "stopping dllm-serve" in log.read_text()
+
+
+FORK_UNDER_CTRL_C = """
+import ctypes, functools, os, signal
+# a Ctrl-C that lands while a fork runs its after-fork hooks (as one of ray.init's forks did): sent by a
+# hook registered before logging's that runs no bytecode and checks no signal (libc's kill, not os.kill),
+# so the first bytecode to see it is logging's hook that releases its lock
+os.register_at_fork(after_in_parent=functools.partial(ctypes.CDLL(None).kill, os.getpid(), signal.SIGINT))
+import logging, sys, threading
+sys.path.insert(0, {scripts!r})
+import serve_local
+caught = serve_local._defer_signals() if {defer} else None
+try:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+except KeyboardInterrupt:
+    pass
+other = threading.Thread(target=logging.getLogger, args=("x",), daemon=True)
+other.start()
+other.join(5)
+print("held" if other.is_alive() else "free", caught)
+"""
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_ctrl_c_during_a_fork_leaves_logging_usable(defer):
+    """Why serve_local defers Ctrl-C while ray.init starts Ray's processes: a KeyboardInterrupt raised in
+    logging's after-fork hook is swallowed by the interpreter with logging's lock held, and any other
+    thread that logs then waits forever (serve_local hung so, in serve.shutdown, once in ~50 runs).
+    Raised as Python raises it, the lock stays held; deferred, it is free and the Ctrl-C is kept."""
+    code = FORK_UNDER_CTRL_C.format(scripts=str(ROOT / "scripts"), defer=defer)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == (["free", f"[{int(signal.SIGINT)}]"] if defer else ["held", "None"]), out
