@@ -387,8 +387,7 @@ def derive(result: dict, levels: list[int]) -> dict:
 
 def _busy_share(phase: dict | None) -> float | None:
     s = (phase or {}).get("summary")
-    busy = _delta(phase, "dllm_shard_busy_seconds_total")
-    return _ratio(busy, s["duration"]) if s and s.get("duration") and busy is not None else None
+    return _ratio(_delta(phase, "dllm_shard_busy_seconds_total"), s and s.get("duration"))
 
 
 def rows(result: dict) -> list[tuple[str, float | None, str]]:
