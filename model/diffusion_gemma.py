@@ -27,7 +27,7 @@ routers and the self-conditioning MLP unquantized).
 Tensor parallel: query heads split, KV heads split or (fewer than tp) replicated; dense MLP,
 self-conditioning MLP and every expert split along their intermediate dims; embedding and tied head
 vocabulary-sharded. Collectives per layer: o_proj's all-reduce and one for the dense MLP and the experts
-together (model.moe).
+together. The dense MLP runs on a second CUDA stream beside the routing and the experts (model.side_stream).
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ from model.parallel.linear import (MergedColumnParallelLinear, QKVParallelLinear
                                    VocabParallelEmbedding, new_param)
 from model.quant_config import QuantScope
 from model.sampling.renoise import self_condition_embedding
+from model.side_stream import side_branch
 
 
 class GemmaRMSNorm(nn.Module):
@@ -149,6 +150,7 @@ class DiffusionGemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm_1 = GemmaRMSNorm(h, eps)
         self.post_feedforward_layernorm_2 = GemmaRMSNorm(h, eps)
         self.layer_scalar = new_param(1)  # the decoder's; the encoder's sits in DiffusionGemmaModel.encoder
+        self.tp = tp
 
     def forward(self, h: torch.Tensor, rope, layer_scalar: torch.Tensor) -> torch.Tensor:
         eps = self.input_layernorm.eps
@@ -163,8 +165,14 @@ class DiffusionGemmaDecoderLayer(nn.Module):
         x_dense, x_moe, x_router = (gemma_feedforward_inputs_quantized if quantized else gemma_feedforward_inputs)(
             h.reshape(-1, h.shape[-1]), self.pre_feedforward_layernorm.weight, self.pre_feedforward_layernorm_2.weight,
             self.router.scale, self.router.scalar_root_size, eps)
+        branch = side_branch(h)
+        with branch:   # the dense MLP beside the routing and the experts (model.side_stream)
+            dense = self.mlp(x_dense)
         weights, ids = self.router(x_router)
-        dense, moe = self.experts(x_moe, weights, ids, shared=self.mlp(x_dense))   # both summed over ranks
+        moe = self.experts(x_moe, weights, ids)
+        branch.join()
+        if self.tp.is_parallel:   # both branches' partial sums in one all-reduce
+            dense, moe = self.tp.all_reduce(torch.stack([dense, moe]))
         # h = (h + post_ff_norm(post_ff_norm_1(dense) + post_ff_norm_2(moe))) * layer_scalar
         return gemma_feedforward_out(h, dense.view_as(h), moe.view_as(h), self.post_feedforward_layernorm_1.weight,
                                      self.post_feedforward_layernorm_2.weight, self.post_feedforward_layernorm.weight,
@@ -292,9 +300,11 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
         # denoise rows take the self-conditioning path, causal rows keep e
         h = torch.where(causal, e, dec.self_conditioning(e, soft))
         rope = {kind: rotary(positions) for kind, rotary in dec.rotary.items()}
-        for layer, encoder in zip(dec.layers, self.model.encoder.language_model.layers):
-            scalar = torch.where(causal, encoder.layer_scalar, layer.layer_scalar)
-            h = layer(h, rope[SLIDING if layer.self_attn.is_sliding else FULL], scalar)
+        # every layer's scalar for every row in one kernel (not one a layer): [B, 1, 1, layers]
+        encoder = torch.cat([layer.layer_scalar for layer in self.model.encoder.language_model.layers])
+        scalars = torch.where(causal[..., None], encoder, torch.cat([layer.layer_scalar for layer in dec.layers]))
+        for i, layer in enumerate(dec.layers):
+            h = layer(h, rope[SLIDING if layer.self_attn.is_sliding else FULL], scalars[..., i])
         return dec.norm(h)
 
     @property

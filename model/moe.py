@@ -148,12 +148,10 @@ class GemmaExperts(nn.Module):
         return scaled_grouped(h.q, h.scale, self.down_proj, self.down_proj_scale, pairs.ends, None, a.dtype,
                               pairs.tile_map, invariant, EXPERT_TILES.down)
 
-    def forward(self, x: torch.Tensor | Quantized, weights: torch.Tensor, ids: torch.Tensor,
-                shared: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor | Quantized, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H] (or quantized by its norm, where fp8_kernels said so), weights/ids [T, k] (the
-        router's); shared [T, H]: this rank's partial sum of another branch of the same tokens (the
-        layer's dense MLP) -> (shared, experts' output) [T, H] each, both summed over the ranks in one
-        all-reduce."""
+        router's) -> this rank's partial sum of the experts' output [T, H] (the layer sums it over the
+        ranks with its dense MLP's, in one all-reduce)."""
         fp8 = isinstance(x, Quantized) or self.fp8_kernels(x)
         pairs = sort_pairs(ids, self.num_experts, fp8)
         if fp8:
@@ -161,11 +159,7 @@ class GemmaExperts(nn.Module):
         else:
             h = gelu_mul(self.project(x, self.gate_up_proj, self.gate_up_proj_scale, pairs, gather=True))
             y = self.project(h, self.down_proj, self.down_proj_scale, pairs)
-        routed = combine_pairs(y, pairs, weights).to(x.dtype)
-        if not self.tp.is_parallel:   # alone: no copy into a stack
-            return shared, routed
-        shared, routed = self.tp.all_reduce(torch.stack([shared, routed]))
-        return shared, routed
+        return combine_pairs(y, pairs, weights).to(x.dtype)
 
 
 class SortedPairs(NamedTuple):
