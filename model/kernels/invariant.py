@@ -50,10 +50,12 @@ class Tiles(NamedTuple):
 MATMUL_TILES = Tiles(128, 128, 64, 8, 3)
 # the experts at DiffusionGemma's batch 1-2 (16-32 rows per expert): 0.89x grouped_mm's time
 GROUPED_TILES = Tiles(64, 128, 64, 8, 3)
-# FP8 operands: 128 K a step (FP8 MMAs are 32 deep); the grouped tiles measured at 1.18x the weight read
-# of DiffusionGemma's FP8 experts at batch 1 (README.md), the dense ones not tuned
+# FP8 operands: 128 K a step (FP8 MMAs are 32 deep); the dense ones not tuned. The grouped tiles: on an
+# H200 (2026-12-06, benchmarks/fp8_experts_bench.py) one warpgroup and 4 stages took DiffusionGemma's FP8
+# experts at 1 canvas from 138.4 + 87.3 us a layer (gate_up + down; 8 warps, 3 stages) to 133.8 + 81.7,
+# and at 4 canvases from 169.4 + 123.0 to 159.5 + 113.6 (README.md, "FP8 on one H200")
 FP8_MATMUL_TILES = Tiles(128, 128, 128, 8, 3)
-FP8_GROUPED_TILES = Tiles(64, 128, 128, 8, 3)
+FP8_GROUPED_TILES = Tiles(64, 128, 128, 4, 4)
 MAX_SPLITS = 8
 ROWS_PER_LAUNCH = 512    # bounds the split-K workspace (splits x 512 x N fp32)
 ROW_BLOCK = 1024
