@@ -6,7 +6,8 @@ the routed experts of a layer.
 
 Every expert lives on every rank, split along its intermediate dim, so a rank's output is a partial
 sum, as a row-parallel linear's is. The layer's dense MLP is one too (its down projection does not
-reduce), and the experts sum both in one all-reduce: one collective per layer for the feed-forward.
+reduce), and the decoder layer sums both in one all-reduce: one collective per layer for the
+feed-forward.
 
 The (token, expert) pairs are sorted by expert and each projection runs as one grouped matmul over
 them (`grouped_linear`): no host sync and no per-expert loop, so a step stays CUDA-graph capturable.
