@@ -41,7 +41,7 @@ from deployments.cluster import ClusterResources, resolve_device
 from deployments.drafts import draft_event, draft_payload
 from deployments.errors import ERROR_STATUS, APIError, add_handlers, error_body, validation_error_param
 from deployments.gate import REQUEST_ID_PARAMETER, GateSettings, RequestGate
-from deployments.output import Delta, OutputAssembler, chat_logprobs, completion_logprobs
+from deployments.output import Delta, OutputAssembler, chat_logprobs, completion_logprobs, silent_ids
 from deployments.placement import PlacementWatch, never_placed
 from deployments.prompts import PromptTokenizer
 from deployments.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
@@ -143,6 +143,7 @@ class OpenAIIngress:
         self.created = int(time.time())
         self.coordinator = coordinator
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        silent_ids(self.tokenizer)   # cached now, not on the first request (~1 s for a 262k-token vocabulary)
         self.prompts = PromptTokenizer(self.tokenizer, self.args.max_model_len)
         config = checkpoint.config
         self.model_vocab_size = config.vocab_size

@@ -48,7 +48,6 @@ class OutputAssembler:
     def __init__(self, tokenizer, stop: Sequence[str] = (), prompt_text_len: int = 0):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
-        self._special = frozenset(tokenizer.all_special_ids)
         self.prompt_text_len = prompt_text_len
         self.token_ids: list[int] = []   # every output token kept so far
         self.text = ""                   # their text, complete characters only
@@ -65,7 +64,7 @@ class OutputAssembler:
         self._prefix_text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return _decode_skipping(self.tokenizer, ids)
 
     def _push(self, token_id: int) -> int:
         """Appends one token and returns its offset in `text`. Text grows only once the window decodes to
@@ -136,11 +135,11 @@ class OutputAssembler:
                      stopped=stopped, finish_reason=finish_reason)
 
     def _releasable(self, end: int) -> int:
-        """Leading pending tokens that start before `end`, and special tokens (no text) at `end`: so a
-        block of special tokens still makes its own stream chunk."""
+        """Leading pending tokens that start before `end`, and tokens without text (`silent_ids`) at `end`:
+        so a block of special tokens still makes its own stream chunk."""
         n = 0
         for token_id, offset, *_ in self._pending:
-            if not (offset < end or (offset == end and token_id in self._special)):
+            if not (offset < end or (offset == end and token_id in self._silent)):
                 break
             n += 1
         return n
@@ -156,10 +155,21 @@ class OutputAssembler:
 
 @lru_cache(maxsize=16)
 def silent_ids(tokenizer) -> frozenset[int]:
-    """The special tokens that decode to nothing with skip_special_tokens (all of them, in the tokenizers
-    we serve; one that the tokenizer does not flag as special keeps its text)."""
-    return frozenset(i for i in tokenizer.all_special_ids
-                     if tokenizer.decode([i], skip_special_tokens=True, clean_up_tokenization_spaces=False) == "")
+    """The tokens that decode to nothing with skip_special_tokens: the special tokens, and every added
+    token the tokenizer flags special, which `all_special_ids` leaves out (Gemma's thousands of reserved
+    `<unused...>` tokens; the `<SPECIAL_n>` fillers of our full-size shapes' tokenizers, which are most of
+    their vocabulary, so a dummy-weight server's random tokens are mostly these). A special token the
+    tokenizer does not flag keeps its text. One decode of them all checks them at once; should it give
+    text, each is checked alone."""
+    flagged = (i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+    candidates = sorted(set(tokenizer.all_special_ids).union(flagged))
+    if _decode_skipping(tokenizer, candidates) == "":
+        return frozenset(candidates)
+    return frozenset(i for i in candidates if _decode_skipping(tokenizer, [i]) == "")
+
+
+def _decode_skipping(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 # --------------------------------------------------------------------------------------- formatting

@@ -5,7 +5,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from deployments.output import Delta, OutputAssembler, chat_logprobs, completion_logprobs, token_piece
+from deployments.output import Delta, OutputAssembler, chat_logprobs, completion_logprobs, silent_ids, token_piece
 from model.tiny import write_nemotron_ld
 from workers.request import RequestOutput
 
@@ -160,16 +160,30 @@ class CountingTokenizer:
         return self.tok.decode(ids, **kw)
 
 
-def test_a_run_of_special_tokens_costs_each_token_once(tok):
+def _reserved_token(tok) -> int:
+    """An added token the tokenizer flags special that all_special_ids leaves out (a `<SPECIAL_n>` filler)."""
+    return next(i for i, t in tok.added_tokens_decoder.items() if t.special and i not in tok.all_special_ids)
+
+
+@pytest.mark.parametrize("silent", ["pad", "reserved"])
+def test_a_run_of_special_tokens_costs_each_token_once(tok, silent):
     """A model padding out max_tokens under ignore_eos emits a long run of special tokens, which the decode
     drops: they must not pile up in the decode window (every later token would decode the whole run
     again, quadratic in its length; 1,024 of them took the ingress ~60 ms a request), and the text around
-    them, a multi-byte character split by them included, is the full decode's."""
+    them, a multi-byte character split by them included, is the full decode's. The same for reserved
+    tokens the tokenizer flags special but all_special_ids leaves out (a dummy-weight server's random
+    tokens over our full-size shapes' tokenizers are mostly these: 165 ms of the ingress a 1,024-token
+    request before)."""
     text_ids = tok.encode(TEXT, add_special_tokens=False)
     cut = text_ids.index(tok.encode("日", add_special_tokens=False)[0]) + 1   # inside 日's three byte tokens
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if silent == "reserved":
+        pad = _reserved_token(tok)
+        assert tok.decode([pad], skip_special_tokens=True) == "" and pad not in tok.all_special_ids
     ids = text_ids[:cut] + [pad] * 2000 + text_ids[cut:] + [pad] * 2000
     counting = CountingTokenizer(tok)
+    silent_ids(counting)   # once a tokenizer, as the ingress does when it loads one
+    counting.decoded = 0
     asm = OutputAssembler(counting, [])
     deltas = [asm.add(o) for o in blocks(ids, [256] * (len(ids) // 256) + [len(ids) % 256])]
     assert "".join(d.text for d in deltas) == tok.decode(ids, skip_special_tokens=True) == TEXT
@@ -178,3 +192,10 @@ def test_a_run_of_special_tokens_costs_each_token_once(tok):
     # each pad takes the offset of the text after it
     offsets = [o for d in deltas for o in d.text_offsets]
     assert offsets[cut:cut + 2000] == [offsets[cut]] * 2000 and offsets[-1] == len(TEXT)
+
+
+def test_silent_ids_are_the_tokens_each_decoding_to_nothing(tok):
+    """silent_ids (checked in one decode) against a decode of every added token and special token alone."""
+    candidates = set(tok.all_special_ids) | set(tok.added_tokens_decoder)
+    expected = {i for i in candidates if tok.decode([i], skip_special_tokens=True, clean_up_tokenization_spaces=False) == ""}
+    assert silent_ids(tok) == expected and _reserved_token(tok) in expected
