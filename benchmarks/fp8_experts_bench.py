@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from ast import literal_eval
 from pathlib import Path
 
 import torch
@@ -27,6 +28,9 @@ TOKENS = (256, 1024)
 SWEEP = ((64, 128, 128, 4, 4), (64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (64, 64, 128, 4, 4),
          (64, 256, 128, 8, 3), (64, 128, 256, 8, 2), (64, 128, 256, 8, 3), (64, 64, 256, 4, 3),
          (64, 256, 64, 8, 4), (64, 128, 64, 4, 5), (128, 128, 128, 8, 3),
+         # around the served tiles: deeper pipelines, one warpgroup (the H200 wants more bytes in flight)
+         (64, 128, 128, 4, 5), (64, 128, 128, 4, 6), (64, 64, 128, 4, 6), (64, 128, 64, 4, 6),
+         (64, 128, 256, 4, 3), (64, 128, 128, 4, 4, True),
          # swapped (y^T = W x^T): the tokens as the MMA's narrow side, 16 or 32 rows a tile
          (16, 128, 128, 4, 4, True), (16, 64, 128, 4, 4, True), (16, 128, 256, 4, 3, True),
          (16, 256, 128, 8, 4, True), (32, 128, 128, 4, 4, True), (32, 64, 256, 4, 3, True),
@@ -77,7 +81,19 @@ def measure(bandwidth: float) -> dict:
             best = min(timed, key=timed.get) if timed else None
             print(f"{name:<8}{tokens:>5}  floor {row['floor_us']:.1f} us  served {timed.get(str(SWEEP[0]))}  "
                   f"best {best} {timed.get(best)}  cutlass {row['cutlass_us']}", flush=True)
+    for tokens in TOKENS:   # the routing's one tile map serves both projections: one height for the pair
+        pair = best_pair(result, tokens)
+        print(f"best pair at {tokens} tokens: gate_up {pair[0]}, down {pair[1]}, {pair[2]:.1f} us a layer", flush=True)
     return result
+
+
+def best_pair(result: dict, tokens: int) -> tuple[str, str, float]:
+    """(gate_up tiles, down tiles, their summed us) with the least sum among tiles of one height."""
+    gate_up, down = result[f"gate_up_t{tokens}"], result[f"down_t{tokens}"]
+    timed = lambda row: {k: v["us"] for k, v in row.items() if isinstance(v, dict)}  # noqa: E731
+    g, d = timed(gate_up), timed(down)
+    return min(((a, b, g[a] + d[b]) for a in g for b in d if literal_eval(a)[0] == literal_eval(b)[0]),
+               key=lambda t: t[2])
 
 
 def main(argv=None) -> int:

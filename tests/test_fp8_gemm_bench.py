@@ -26,3 +26,18 @@ def test_the_diffusion_gemma_shapes_are_its_layers():
     assert shapes["gate_up"] == (2 * c["intermediate_size"], h) and shapes["down"] == (h, c["intermediate_size"])
     assert fp8_experts_bench.HIDDEN == h and fp8_experts_bench.INTERMEDIATE == c["moe_intermediate_size"]
     assert (fp8_experts_bench.E, fp8_experts_bench.TOP_K) == (c["num_experts"], c["top_k_experts"])
+
+
+def test_the_experts_best_pair_keeps_one_tile_height():
+    """The served experts take one tile height for both projections (the routing's one tile map): the best
+    pair is the least sum among same-height tiles, not the two fastest tiles (this H200's 2026-12-06 figures
+    at 256 tokens: the fastest gate_up is 32 rows high and the fastest down 16)."""
+    us = lambda v: {"us": v}  # noqa: E731
+    result = {"gate_up_t256": {"floor_us": 120.3, "(64, 128, 128, 4, 4)": us(133.8), "(64, 128, 64, 4, 5)": "failed",
+                               "(32, 64, 256, 4, 3, True)": us(128.6), "(16, 64, 128, 4, 4, True)": us(132.7)},
+              "down_t256": {"floor_us": 60.2, "(64, 128, 128, 4, 4)": us(81.7), "(32, 64, 256, 4, 3, True)": us(82.7),
+                            "(16, 64, 128, 4, 4, True)": us(78.0)}}
+    assert fp8_experts_bench.best_pair(result, 256) == ("(16, 64, 128, 4, 4, True)", "(16, 64, 128, 4, 4, True)",
+                                                         132.7 + 78.0)
+    result["down_t256"]["(16, 64, 128, 4, 4, True)"] = us(90.0)
+    assert fp8_experts_bench.best_pair(result, 256)[:2] == ("(32, 64, 256, 4, 3, True)", "(32, 64, 256, 4, 3, True)")
