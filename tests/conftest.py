@@ -39,6 +39,14 @@ def tiny_nemotron(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma(tmp_path_factory):
+    """A tiny DiffusionGemma checkpoint in the real format (one shard)."""
+    from model.tiny import write_diffusion_gemma
+
+    return write_diffusion_gemma(tmp_path_factory.mktemp("tiny-gemma"), seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_fp8_nemotron(tmp_path_factory):
     """The tiny Nemotron-Labs-Diffusion checkpoint as compressed-tensors FP8-dynamic (2 shards)."""
     from model.tiny import write_nemotron_ld

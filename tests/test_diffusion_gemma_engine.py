@@ -14,13 +14,6 @@ V = 997
 
 
 @pytest.fixture(scope="module")
-def tiny_gemma(tmp_path_factory):
-    from model.tiny import write_diffusion_gemma
-
-    return write_diffusion_gemma(tmp_path_factory.mktemp("tiny-gemma-engine"), seed=0)
-
-
-@pytest.fixture(scope="module")
 def engine(tiny_gemma):
     with Engine(tiny_gemma, num_slots=6, max_model_len=256) as e:
         yield e

@@ -329,13 +329,6 @@ def test_cuda_compiled_updates_equal_written(family, tiny_nemotron, tiny_gemma):
     assert got == expected
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma(tmp_path_factory):
-    from model.tiny import write_diffusion_gemma
-
-    return write_diffusion_gemma(tmp_path_factory.mktemp("gemma-gpu"), seed=0)
-
-
 @pytest.mark.parametrize("family", ["nemotron", "gemma"])
 def test_cuda_graphed_prefill_equals_eager(family, tiny_nemotron, tiny_gemma):
     """Prefills captured and replayed as CUDA graphs at padded widths (model/graphs.py) against a runner

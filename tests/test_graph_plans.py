@@ -31,13 +31,6 @@ GEMMA_MIX = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma(tmp_path_factory):
-    from model.tiny import write_diffusion_gemma
-
-    return write_diffusion_gemma(tmp_path_factory.mktemp("gemma-plans"), seed=0)
-
-
 def outcome(e: Engine, prompts, params) -> list[tuple]:
     return [(r.output, r.logprobs, r.ranks, r.top_ids, r.top_logprobs, r.denoising_steps, r.canvases,
              r.finish_reason, [(d.offset, d.step, d.tokens, d.known) for d in r.drafts])

@@ -25,13 +25,6 @@ def test_prefill_widths():
         assert n <= w <= (max(16, 2 * n) if n <= KEY_BUCKET else 3 * n // 2 + 1), (n, w)
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma(tmp_path_factory):
-    from model.tiny import write_diffusion_gemma
-
-    return write_diffusion_gemma(tmp_path_factory.mktemp("gemma-prefill"), seed=0)
-
-
 @pytest.mark.parametrize("family", ["nemotron", "gemma"])
 def test_padded_prefill_equals_unpadded(family, tiny_nemotron, tiny_gemma):
     """In fp32, prompts of 5 and 9 tokens alone and together, each prefill padded to 16: the same tokens,

@@ -12,13 +12,6 @@ from model.side_stream import side_branch
 gpu = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma(tmp_path_factory):
-    from model.tiny import write_diffusion_gemma
-
-    return write_diffusion_gemma(tmp_path_factory.mktemp("tiny-gemma-side-stream"), seed=0)
-
-
 def test_off_cuda_the_branch_runs_inline():
     branch = side_branch(torch.ones(2))
     with branch:

@@ -62,13 +62,6 @@ CASES = {
 EXACT = ("ar", "gemma-forced", "masked-diffusion")
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma(tmp_path_factory):
-    from model.tiny import write_diffusion_gemma
-
-    return write_diffusion_gemma(tmp_path_factory.mktemp("tiny-gemma-budget"), seed=0)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_bound_holds_for_the_real_runner(case, tiny_nemotron, tiny_gemma):
     family, params = CASES[case]

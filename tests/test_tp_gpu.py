@@ -21,13 +21,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (TP = 2 over NCCL)")]
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma(tmp_path_factory):
-    from model.tiny import write_diffusion_gemma
-
-    return write_diffusion_gemma(tmp_path_factory.mktemp("tiny-gemma"), seed=0)
-
-
 @pytest.fixture
 def model_dirs(tiny_nemotron, tiny_gemma):
     return {"nemotron": tiny_nemotron, "gemma": tiny_gemma}
