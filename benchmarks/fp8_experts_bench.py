@@ -1,8 +1,9 @@
 """DiffusionGemma 26B-A4B's FP8 experts on the GPU host: our triton grouped kernel (model.kernels.invariant's,
 FP8 operands, as GemmaExperts.scaled runs it) at a sweep of tile shapes, and CUTLASS's grouped FP8 GEMM
 (torch._scaled_grouped_mm), for each projection (gate_up [128, 1408, 2816] over the tokens' rows, read in
-place; down [128, 2816, 704] over the pairs' rows) at 1 and 4 canvases (256 and 1024 tokens, top-8 of 128
-experts: 16 and 64 rows an expert), against the FP8 weight-read floor at --bandwidth.
+place; down [128, 2816, 704] over the pairs' rows) at 1, 4, 8 and 16 canvases (256-4096 tokens, top-8 of
+128 experts: 16-512 rows an expert), against the FP8 weight-read floor at --bandwidth. The triton kernel
+reads the weight dense (SWEEP) and chunked for its tiles (CHUNKED_SWEEP), as the served experts do.
 
     PYTHONPATH=. python3 benchmarks/fp8_experts_bench.py [--json FILE]
 
@@ -23,8 +24,8 @@ import torch
 from benchmarks.fp8_gemm_bench import require_fp8_gpu, save, try_us
 
 E, HIDDEN, INTERMEDIATE, TOP_K = 128, 2816, 704, 8
-TOKENS = (256, 1024)
-# (rows, columns, K a step, warps, stages[, swap]); the first is what the served path runs (FP8_GROUPED_TILES)
+TOKENS = (256, 1024, 2048, 4096)
+# (rows, columns, K a step, warps, stages[, swap]) over the dense weight; the first is the previous served tiles
 SWEEP = ((64, 128, 128, 4, 4), (64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (64, 64, 128, 4, 4),
          (64, 256, 128, 8, 3), (64, 128, 256, 8, 2), (64, 128, 256, 8, 3), (64, 64, 256, 4, 3),
          (64, 256, 64, 8, 4), (64, 128, 64, 4, 5), (128, 128, 128, 8, 3),
@@ -35,6 +36,14 @@ SWEEP = ((64, 128, 128, 4, 4), (64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (64, 
          (16, 128, 128, 4, 4, True), (16, 64, 128, 4, 4, True), (16, 128, 256, 4, 3, True),
          (16, 256, 128, 8, 4, True), (32, 128, 128, 4, 4, True), (32, 64, 256, 4, 3, True),
          (16, 64, 256, 4, 4, True), (64, 128, 128, 8, 3, True))
+# timed with the weight chunked for the tiles (model.kernels.invariant.ChunkedWeight), keyed "... chunked"; the
+# first is what the served experts run (FP8_GROUPED_TILES, over the weights chunked at load)
+CHUNKED_SWEEP = ((64, 128, 64, 4, 6), (64, 128, 128, 4, 4), (64, 128, 128, 4, 3), (64, 64, 128, 4, 6),
+                 (64, 128, 64, 4, 8), (64, 128, 64, 4, 4),
+                 (64, 256, 128, 8, 3), (64, 128, 256, 4, 3), (16, 128, 128, 4, 4, True), (32, 64, 256, 4, 3, True))
+
+
+SERVED = f"{CHUNKED_SWEEP[0]} chunked"
 
 
 def problems(tokens: int, device: str = "cuda"):
@@ -55,7 +64,7 @@ def problems(tokens: int, device: str = "cuda"):
 
 def measure(bandwidth: float) -> dict:
     from model.kernels.fp8 import grouped_in_cutlass
-    from model.kernels.invariant import Tiles, grouped_matmul, make_tile_map
+    from model.kernels.invariant import Tiles, chunk_weight, grouped_matmul, make_tile_map
 
     result = {}
     for tokens in TOKENS:
@@ -63,23 +72,25 @@ def measure(bandwidth: float) -> dict:
             p = tokens * TOP_K
             row = {"floor_us": floor_bytes / bandwidth * 1e6}
             ref = None
-            for shape in SWEEP:
-                tiles = Tiles(*shape)
+            for shape, chunked in [(s, False) for s in SWEEP] + [(s, True) for s in CHUNKED_SWEEP]:
+                tiles, key = Tiles(*shape), str(shape) + (" chunked" if chunked else "")
                 tile_map = make_tile_map(ends, -(-p // tiles.m) + E, tiles.m)
-                fn = lambda: grouped_matmul(xq, wq, ends, rows, tile_map, tiles, sx, sw, torch.bfloat16)  # noqa: E731
+                w = chunk_weight(wq, tiles.n, tiles.k) if chunked else wq
+                fn = lambda: grouped_matmul(xq, w, ends, rows, tile_map, tiles, sx, sw, torch.bfloat16)  # noqa: E731
                 us = try_us(fn)
                 if isinstance(us, str):
-                    row[str(shape)] = us
+                    row[key] = us
                     continue
                 out = fn().float()
                 ref = out if ref is None else ref
-                row[str(shape)] = {"us": us, "over_floor": us / row["floor_us"],
-                                   "max_rel_diff": ((out - ref).abs().max() / ref.abs().max()).item()}
+                row[key] = {"us": us, "over_floor": us / row["floor_us"],
+                            "max_rel_diff": ((out - ref).abs().max() / ref.abs().max()).item()}
+                del w
             row["cutlass_us"] = try_us(lambda: grouped_in_cutlass(xq, sx, wq, sw, ends, rows, torch.bfloat16))
             result[f"{name}_t{tokens}"] = row
             timed = {k: v["us"] for k, v in row.items() if isinstance(v, dict)}
             best = min(timed, key=timed.get) if timed else None
-            print(f"{name:<8}{tokens:>5}  floor {row['floor_us']:.1f} us  served {timed.get(str(SWEEP[0]))}  "
+            print(f"{name:<8}{tokens:>5}  floor {row['floor_us']:.1f} us  served {timed.get(SERVED)}  "
                   f"best {best} {timed.get(best)}  cutlass {row['cutlass_us']}", flush=True)
     for tokens in TOKENS:   # the routing's one tile map serves both projections: one height for the pair
         pair = best_pair(result, tokens)
@@ -92,7 +103,8 @@ def best_pair(result: dict, tokens: int) -> tuple[str, str, float]:
     gate_up, down = result[f"gate_up_t{tokens}"], result[f"down_t{tokens}"]
     timed = lambda row: {k: v["us"] for k, v in row.items() if isinstance(v, dict)}  # noqa: E731
     g, d = timed(gate_up), timed(down)
-    return min(((a, b, g[a] + d[b]) for a in g for b in d if literal_eval(a)[0] == literal_eval(b)[0]),
+    height = lambda key: literal_eval(key.removesuffix(" chunked"))[0]  # noqa: E731
+    return min(((a, b, g[a] + d[b]) for a in g for b in d if height(a) == height(b)),
                key=lambda t: t[2])
 
 

@@ -10,6 +10,9 @@ per-model loading code.
 A tensor's dtype is checked before it is read: an FP8 parameter reads float8_e4m3fn only, every other
 parameter (scales included) a 16-, 32- or 64-bit float, so an FP8 tensor never lands, unscaled, in a
 parameter that would cast it.
+
+Once every weight is in, a layer whose kernels read a weight faster in another layout gets it rewritten
+(the FP8 experts, chunked for their grouped kernel: model.moe.GemmaExperts.chunk_for_kernels).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from tqdm.auto import tqdm
 from model.checkpoint import load_model_config
 from model.config import ModelConfig
 from model.families import FAMILIES
+from model.moe import GemmaExperts
 from model.parallel.group import TPGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -215,4 +219,7 @@ def load_model(model_dir: str | Path, tp: TPGroup | None = None, *, dtype: torch
         load_weights(model, model_dir, show_progress)
     else:
         raise ValueError(f"load_format={load_format!r}; supported: safetensors, dummy")
+    for module in model.modules():   # layouts of the loaded weights for the kernels that will read them
+        if isinstance(module, GemmaExperts):
+            module.chunk_for_kernels(dtype)
     return model

@@ -16,7 +16,9 @@ FP8 experts (compressed-tensors FP8-dynamic, model/fp8.py) are stored one per ex
 (`experts.{e}.{gate,up,down}_proj.weight` and `.weight_scale` [out, 1]) and fused at load into the same
 grouped layout, float8_e4m3fn, with their scales beside them: gate_up [E, 2I, H] with [E, 2I], down
 [E, H, I] with [E, H]. Under tensor parallelism the gate/up scales split with their rows, the down scales
-(per output channel of a row-parallel projection) stay whole.
+(per output channel of a row-parallel projection) stay whole. Where the FP8 kernels will run them, the
+loaded weights are then rewritten chunked for the grouped kernel's tiles (`chunk_for_kernels`:
+model.kernels.invariant.ChunkedWeight), in place of the dense layout.
 """
 from __future__ import annotations
 
@@ -75,6 +77,8 @@ class GemmaExperts(nn.Module):
         self.num_experts, self.hidden = E, H = cfg.num_experts, cfg.hidden_size
         self.total_intermediate = cfg.moe_intermediate_size
         self.intermediate = divide(cfg.moe_intermediate_size, tp.world_size, "moe_intermediate_size")
+        # the weights chunked for the FP8 grouped kernel, once loaded (chunk_for_kernels), else None
+        self.gate_up_chunks = self.down_chunks = None
         if not quant.fp8(*(f"{e}.{p}" for e in range(E) for p in ("gate_proj", "up_proj", "down_proj"))):
             self.gate_up_proj = new_param(E, 2 * self.intermediate, H, loader=self.gate_up_loader)
             self.down_proj = new_param(E, H, self.intermediate, loader=self.down_loader)
@@ -123,9 +127,30 @@ class GemmaExperts(nn.Module):
         check_shape(source, (self.hidden, self.total_intermediate))
         copy_into(param.data[e], read_slice(source, 1, start, start + self.intermediate))
 
+    def chunk_for_kernels(self, dtype: torch.dtype) -> None:
+        """After loading: where the FP8 kernels will run the experts (activations of `dtype` here take
+        them), each weight is rewritten chunked for its projection's tiles, so that every tile's step of K
+        is one contiguous read (README.md, "FP8 on one H200"). The parameter then holds the chunked bytes
+        (the same count, where N is a multiple of the tiles' columns, as DiffusionGemma's is); the reference
+        path, which reads the dense layout, is refused from then on."""
+        if self.down_proj_scale is None or not self.fp8_kernels(torch.empty(0, dtype=dtype,
+                                                                            device=self.down_proj.device)):
+            return
+        from model.kernels.fp8 import EXPERT_TILES   # triton: imported where CUDA runs it
+        from model.kernels.invariant import chunk_weight
+
+        for name, tiles in (("gate_up", EXPERT_TILES.gate_up), ("down", EXPERT_TILES.down)):
+            param = getattr(self, f"{name}_proj")
+            chunks = chunk_weight(param.data, tiles.n, tiles.k)
+            param.data = chunks.data
+            setattr(self, f"{name}_chunks", chunks)
+
     def project(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, pairs: SortedPairs,
                 gather: bool = False) -> torch.Tensor:
         """grouped_linear with one of the two weights (FP8: fp8_grouped_linear with its scales)."""
+        if self.down_chunks is not None:
+            raise RuntimeError(f"the experts' weights were chunked for the FP8 kernels at load, but these "
+                               f"activations ({x.dtype} on {x.device}) do not take them")
         if scale is None:
             return grouped_linear(x, weight, pairs, gather)
         return fp8_grouped_linear(x, weight, scale, pairs, gather)
@@ -143,10 +168,12 @@ class GemmaExperts(nn.Module):
 
         a = as_quantized(x)
         invariant = batch_invariant.enabled()
-        gate_up = scaled_grouped(a.q, a.scale, self.gate_up_proj, self.gate_up_proj_scale, pairs.ends, pairs.token,
+        gate_up_w = self.gate_up_proj if self.gate_up_chunks is None else self.gate_up_chunks
+        down_w = self.down_proj if self.down_chunks is None else self.down_chunks
+        gate_up = scaled_grouped(a.q, a.scale, gate_up_w, self.gate_up_proj_scale, pairs.ends, pairs.token,
                                  a.dtype, pairs.tile_map, invariant, EXPERT_TILES.gate_up)
         h = gelu_mul_quantized(gate_up)
-        return scaled_grouped(h.q, h.scale, self.down_proj, self.down_proj_scale, pairs.ends, None, a.dtype,
+        return scaled_grouped(h.q, h.scale, down_w, self.down_proj_scale, pairs.ends, None, a.dtype,
                               pairs.tile_map, invariant, EXPERT_TILES.down)
 
     def forward(self, x: torch.Tensor | Quantized, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

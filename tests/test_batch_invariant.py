@@ -109,6 +109,27 @@ for tiles in (K.Tiles(16, 32, 128, 4, 2, True), K.Tiles(32, 64, 128, 4, 2, True)
                                         out_dtype=torch.bfloat16),
                        K.grouped_matmul(source_q[tokens], w, ends, tiles=tiles, x_scale=source_s[tokens], w_scale=sw,
                                         out_dtype=torch.bfloat16)), tiles
+# the weight chunked for the tiles (ChunkedWeight): the same values, so the same bits; K and N not multiples
+# of the chunks' (the last chunk narrower, the last block padded), gathered rows, and swapped tiles
+for n, d, tiles in ((40, 208, K.Tiles(64, 32, 128, 4, 2)), (64, 256, K.Tiles(64, 64, 64, 4, 2)),
+                    (40, 208, K.Tiles(16, 32, 128, 4, 2, True))):
+    wc, swc = quantize_per_channel(torch.randn(E, n, d) * 0.02)
+    swc = swc[..., 0].float()
+    chunks = K.chunk_weight(wc, tiles.n, tiles.k)
+    assert chunks.shape == (E, n, d) and chunks.data.shape == (E, -(-n // tiles.n), tiles.n * d)
+    assert torch.equal(chunks.dense().view(torch.uint8), wc.view(torch.uint8))
+    xc, sxc = fp8_rows(11, d)
+    for rows in (None, tokens):
+        a, sa = (xc, sxc) if rows is not None else fp8_rows(len(tokens), d)
+        dense = K.grouped_matmul(a, wc, ends, rows, tiles=tiles, x_scale=sa, w_scale=swc, out_dtype=torch.bfloat16)
+        got = K.grouped_matmul(a, chunks, ends, rows, tiles=tiles, x_scale=sa, w_scale=swc, out_dtype=torch.bfloat16)
+        assert torch.equal(got, dense), (n, d, tiles, rows is None)
+    other = K.Tiles(64, 2 * tiles.n, tiles.k, 4, 2)
+    try:
+        K.grouped_matmul(xc, chunks, ends, tokens, tiles=other, x_scale=sxc, w_scale=swc, out_dtype=torch.bfloat16)
+        raise SystemExit("a weight chunked for other tiles was taken")
+    except AssertionError as exc:
+        assert "chunked for other tiles" in str(exc)
 print("fp8 invariant kernels ok")
 """
 

@@ -91,3 +91,25 @@ def test_the_batch_invariant_mode_asks_for_the_fixed_order_kernels(tiny_fp8_gemm
     layers = net.config.num_hidden_layers
     assert calls.count("linear/invariant") == 4 * layers * len(got) and "linear" not in calls
     assert calls.count("grouped/invariant") == 2 * layers * len(got) and "grouped" not in calls
+
+
+def test_experts_are_chunked_at_load_where_the_kernels_run(tiny_fp8_gemma):
+    """Where the FP8 kernels will run the experts, load_model rewrites each layer's weights chunked for the
+    grouped kernel's tiles (model.kernels.invariant.ChunkedWeight): the same values, in the parameter's own
+    storage (no second copy). The reference path, which reads the dense layout, then refuses them with an
+    error saying why instead of multiplying bytes it does not know the layout of."""
+    from model.moe import GemmaExperts
+
+    dense = load_model(tiny_fp8_gemma, show_progress=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model.moe, "kernels_take", lambda x: True)
+        chunked = load_model(tiny_fp8_gemma, show_progress=False)
+    pairs = [(a, b) for a, b in zip(dense.modules(), chunked.modules(), strict=True) if isinstance(a, GemmaExperts)]
+    assert pairs and all(a.down_chunks is None for a, _ in pairs)
+    for a, b in pairs:
+        for name in ("gate_up", "down"):
+            chunks, param = getattr(b, f"{name}_chunks"), getattr(b, f"{name}_proj")
+            assert chunks.data.data_ptr() == param.data_ptr()
+            assert torch.equal(chunks.dense().view(torch.uint8), getattr(a, f"{name}_proj").view(torch.uint8))
+    with pytest.raises(RuntimeError, match="chunked for the FP8 kernels at load"):
+        schedule(chunked, TPGroup())

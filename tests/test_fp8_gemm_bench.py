@@ -41,3 +41,12 @@ def test_the_experts_best_pair_keeps_one_tile_height():
                                                          132.7 + 78.0)
     result["down_t256"]["(16, 64, 128, 4, 4, True)"] = us(90.0)
     assert fp8_experts_bench.best_pair(result, 256)[:2] == ("(32, 64, 256, 4, 3, True)", "(32, 64, 256, 4, 3, True)")
+
+
+def test_the_experts_sweep_times_the_served_tiles_first():
+    """The bench's "served" column is the served experts' kernel: their tiles over the chunked weight."""
+    from model.kernels.fp8 import EXPERT_TILES
+
+    assert fp8_experts_bench.CHUNKED_SWEEP[0] == tuple(EXPERT_TILES.gate_up)[:5] == tuple(EXPERT_TILES.down)[:5]
+    assert fp8_experts_bench.SERVED == f"{fp8_experts_bench.CHUNKED_SWEEP[0]} chunked"
+    assert not EXPERT_TILES.gate_up.swap

@@ -99,17 +99,18 @@ def test_scaled_linear_equals_the_reference(invariant, m, k):
     torch.testing.assert_close(got, ref.to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("variant", ["triton", "triton-swapped", "cutlass"])
+@pytest.mark.parametrize("variant", ["triton", "triton-swapped", "triton-chunked", "cutlass"])
 @pytest.mark.parametrize("tokens", [3, 40, 300])
 def test_scaled_grouped_equals_the_reference(variant, tokens):
-    """Both grouped FP8 kernels (the triton one also with swapped 16-row tiles, y^T = W x^T), gathering
-    token rows (gate/up) and reading pair rows (down), against the reference per expert; experts with no
-    rows included."""
+    """Both grouped FP8 kernels (the triton one also with swapped 16-row tiles, y^T = W x^T, and reading the
+    weight chunked for its tiles, as the served experts do: then the same bits as the dense weight's),
+    gathering token rows (gate/up) and reading pair rows (down), against the reference per expert; experts
+    with no rows included."""
     from functools import partial
 
     from model.fp8 import dequantize
     from model.kernels import fp8 as K
-    from model.kernels.invariant import Tiles
+    from model.kernels.invariant import Tiles, chunk_weight
     from model.moe import sort_pairs
 
     E, k, H, N = 16, 4, 512, 384
@@ -118,9 +119,16 @@ def test_scaled_grouped_equals_the_reference(variant, tokens):
     pairs = sort_pairs(ids, E)
     x, a = _quantized(tokens, H, 2)
     w, sw = _weights(E, N, H, seed=3)
-    run = {"triton": K.grouped_in_triton, "cutlass": K.grouped_in_cutlass,
+    run = {"triton": K.grouped_in_triton, "triton-chunked": K.grouped_in_triton, "cutlass": K.grouped_in_cutlass,
            "triton-swapped": partial(K.grouped_in_triton, tiles=Tiles(16, 128, 128, 4, 4, True))}[variant]
     got = run(a.q, a.scale, w, sw[..., 0].contiguous(), pairs.ends, pairs.token, torch.bfloat16).float()
+    if variant == "triton-chunked":
+        chunked = chunk_weight(w, K.EXPERT_TILES.gate_up.n, K.EXPERT_TILES.gate_up.k)
+        chunked_got = K.grouped_in_triton(a.q, a.scale, chunked, sw[..., 0].contiguous(), pairs.ends, pairs.token,
+                                          torch.bfloat16, tiles=K.EXPERT_TILES.gate_up)
+        assert torch.equal(chunked_got.float(), got)
+        assert torch.equal(K.scaled_grouped(a.q, a.scale, chunked, sw[..., 0].contiguous(), pairs.ends, pairs.token,
+                                            torch.bfloat16, tiles=K.EXPERT_TILES.gate_up).float(), got)
     expert = ids.flatten()[torch.argsort(ids.flatten(), stable=True)]
     xr = dequantize(a.q, a.scale[:, None], torch.float32)[pairs.token]
     ref = torch.einsum("pk,pnk->pn", xr, dequantize(w, sw, torch.float32)[expert])

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from model.kernels.invariant import FP8_GROUPED_TILES, Tiles, grouped_matmul, matmul
+from model.kernels.invariant import FP8_GROUPED_TILES, ChunkedWeight, Tiles, grouped_matmul, matmul
 
 
 # rows up to which a weight with K >= 2 N goes to the split-K kernel: the 8B's down projection (4096 x
@@ -61,13 +61,13 @@ EXPERT_TILES = ExpertTiles(gate_up=FP8_GROUPED_TILES, down=FP8_GROUPED_TILES)
 assert EXPERT_TILES.gate_up.m == EXPERT_TILES.down.m
 
 
-def grouped_in_triton(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+def grouped_in_triton(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor | ChunkedWeight, w_scale: torch.Tensor,
                       ends: torch.Tensor, rows: torch.Tensor | None, out_dtype: torch.dtype,
                       tile_map: tuple[torch.Tensor, torch.Tensor] | None = None,
                       tiles: Tiles | None = None) -> torch.Tensor:
     """model.kernels.invariant.grouped_matmul's problem in FP8: xq [T or P, K] with sx [T or P], w [E, N, K]
-    with w_scale [E, N]; `rows` [P] gathers xq's (and sx's) rows in the kernel. `tiles`: FP8_GROUPED_TILES
-    unless given (a given tile map must be for its height)."""
+    with w_scale [E, N] (or w chunked for the tiles: ChunkedWeight); `rows` [P] gathers xq's (and sx's) rows
+    in the kernel. `tiles`: FP8_GROUPED_TILES unless given (a given tile map must be for its height)."""
     return grouped_matmul(xq, w, ends, rows, tile_map, tiles, x_scale=sx, w_scale=w_scale, out_dtype=out_dtype)
 
 
@@ -83,13 +83,14 @@ def grouped_in_cutlass(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, w_sc
 FEW_ROWS_PER_EXPERT = 32
 
 
-def scaled_grouped(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+def scaled_grouped(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor | ChunkedWeight, w_scale: torch.Tensor,
                    ends: torch.Tensor, rows: torch.Tensor | None, out_dtype: torch.dtype,
                    tile_map: tuple[torch.Tensor, torch.Tensor] | None = None, invariant: bool = False,
                    tiles: Tiles | None = None) -> torch.Tensor:
     """The experts' FP8 grouped matmul -> [P, N] out_dtype (module docstring); `tiles` the triton kernel's
-    (one of EXPERT_TILES, with the tile map made for its height)."""
+    (one of EXPERT_TILES, with the tile map made for its height). A chunked weight goes to the triton kernel
+    whatever the rows: CUTLASS reads only the dense layout."""
     p = xq.shape[0] if rows is None else rows.shape[0]
-    if invariant or p <= FEW_ROWS_PER_EXPERT * w.shape[0]:
+    if invariant or isinstance(w, ChunkedWeight) or p <= FEW_ROWS_PER_EXPERT * w.shape[0]:
         return grouped_in_triton(xq, sx, w, w_scale, ends, rows, out_dtype, tile_map, tiles)
     return grouped_in_cutlass(xq, sx, w, w_scale, ends, rows, out_dtype)

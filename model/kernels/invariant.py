@@ -50,12 +50,14 @@ class Tiles(NamedTuple):
 MATMUL_TILES = Tiles(128, 128, 64, 8, 3)
 # the experts at DiffusionGemma's batch 1-2 (16-32 rows per expert): 0.89x grouped_mm's time
 GROUPED_TILES = Tiles(64, 128, 64, 8, 3)
-# FP8 operands: 128 K a step (FP8 MMAs are 32 deep); the dense ones not tuned. The grouped tiles: on an
-# H200 (2026-12-06, benchmarks/fp8_experts_bench.py) one warpgroup and 4 stages took DiffusionGemma's FP8
-# experts at 1 canvas from 138.4 + 87.3 us a layer (gate_up + down; 8 warps, 3 stages) to 133.8 + 81.7,
-# and at 4 canvases from 169.4 + 123.0 to 159.5 + 113.6 (README.md, "FP8 on one H200")
+# FP8 operands: 128 K a step (FP8 MMAs are 32 deep); the dense ones not tuned. The grouped tiles (the FP8
+# experts, which read their weights chunked for them: ChunkedWeight) are 64 K a step, one warpgroup, 6
+# stages: on an H100 (2026-12-06, benchmarks/fp8_experts_bench.py) the best or within 1% of the best of the
+# sweep at 256-4096 tokens for both projections, chunked; gate_up + down a layer 274 us at 1 canvas and 748
+# at 16 against the previous tiles' (64, 128, 128, 4, 4) 277 and 851, chunked, and 295 and 798 dense
+# (README.md, "FP8 on one H200")
 FP8_MATMUL_TILES = Tiles(128, 128, 128, 8, 3)
-FP8_GROUPED_TILES = Tiles(64, 128, 128, 4, 4)
+FP8_GROUPED_TILES = Tiles(64, 128, 64, 4, 6)
 MAX_SPLITS = 8
 ROWS_PER_LAUNCH = 512    # bounds the split-K workspace (splits x 512 x N fp32)
 ROW_BLOCK = 1024
@@ -160,8 +162,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None, x_scale
 @triton.jit
 def _grouped_kernel(x_ptr, xs_ptr, rows_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, ends_ptr, N, E,
                     sxm, swe, swn, swk, som, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    GATHER: tl.constexpr, SCALED: tl.constexpr, SWAP: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
-                    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                    GATHER: tl.constexpr, SCALED: tl.constexpr, SWAP: tl.constexpr, CHUNKED: tl.constexpr,
+                    IMPRECISE_ACC: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     t, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + t)
     if e < E:  # tiles past the last expert's are spare (the grid is sized for the worst case)
@@ -172,6 +174,8 @@ def _grouped_kernel(x_ptr, xs_ptr, rows_ptr, w_ptr, ws_ptr, out_ptr, tile_expert
             src = tl.load(rows_ptr + rm, mask=rm < row_end, other=0)
         rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
+        # CHUNKED (ChunkedWeight): this tile's K-chunk is [BN, width] row-major, one contiguous read
+        block = w_ptr + e.to(tl.int64) * swe + pid_n.to(tl.int64) * (BN * K)
         if SWAP:
             acc = tl.zeros((BN, BM), dtype=tl.float32)
         else:
@@ -180,15 +184,24 @@ def _grouped_kernel(x_ptr, xs_ptr, rows_ptr, w_ptr, ws_ptr, out_ptr, tile_expert
             kk = k0 + rk
             a = tl.load(x_ptr + src[:, None] * sxm + kk[None, :], mask=(rm[:, None] < row_end) & (kk[None, :] < K),
                         other=0.0)
+            width = tl.minimum(K - k0, BK)
             if SWAP:
-                b = tl.load(w_ptr + e * swe + rn[:, None] * swn + kk[None, :] * swk,
-                            mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+                if CHUNKED:
+                    b = tl.load(block + k0 * BN + tl.arange(0, BN)[:, None] * width + rk[None, :],
+                                mask=rk[None, :] < width, other=0.0)
+                else:
+                    b = tl.load(w_ptr + e * swe + rn[:, None] * swn + kk[None, :] * swk,
+                                mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
                 if INTERPRETED:
                     a, b = a.to(tl.float32), b.to(tl.float32)
                 acc = tl.dot(b, tl.trans(a), acc, input_precision=PRECISION, max_num_imprecise_acc=IMPRECISE_ACC)
             else:
-                b = tl.load(w_ptr + e * swe + rn[None, :] * swn + kk[:, None] * swk,
-                            mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+                if CHUNKED:
+                    b = tl.load(block + k0 * BN + tl.arange(0, BN)[None, :] * width + rk[:, None],
+                                mask=rk[:, None] < width, other=0.0)
+                else:
+                    b = tl.load(w_ptr + e * swe + rn[None, :] * swn + kk[:, None] * swk,
+                                mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
                 if INTERPRETED:
                     a, b = a.to(tl.float32), b.to(tl.float32)
                 acc = tl.dot(a, b, acc, input_precision=PRECISION, max_num_imprecise_acc=IMPRECISE_ACC)
@@ -199,6 +212,45 @@ def _grouped_kernel(x_ptr, xs_ptr, rows_ptr, w_ptr, ws_ptr, out_ptr, tile_expert
                    * tl.load(ws_ptr + e * N + rn, mask=rn < N, other=0.0)[None, :])
         tl.store(out_ptr + rm[:, None] * som + rn[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(rm[:, None] < row_end) & (rn[None, :] < N))
+
+
+class ChunkedWeight(NamedTuple):
+    """The experts' weight [E, N, K] as the grouped kernel reads it fastest: each expert's rows in blocks of
+    `block_n` (the last padded with zero rows), each block's K cut into `block_k`-wide chunks stored one
+    after another, a chunk [block_n, width] row-major (width block_k; the last chunk, what is left of K).
+    A tile's weight for one step of K is then one contiguous read (16 KB for FP8 128 x 128) instead of
+    block_n pieces of block_k bytes a row apart. The same values, so the same products and bits."""
+    data: torch.Tensor   # [E, ceil(N / block_n), block_n * K]
+    n: int
+    k: int
+    block_n: int
+    block_k: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The dense weight's [E, N, K]."""
+        return self.data.shape[0], self.n, self.k
+
+    def dense(self) -> torch.Tensor:
+        """Back to [E, N, K] (tests; a reference that reads the weight)."""
+        e, blocks, (bn, bk, k) = self.data.shape[0], self.data.shape[1], (self.block_n, self.block_k, self.k)
+        full = k // bk * bk
+        head = self.data[..., :bn * full].reshape(e, blocks, full // bk, bn, bk).permute(0, 1, 3, 2, 4)
+        tail = self.data[..., bn * full:].reshape(e, blocks, bn, k - full)
+        return torch.cat([head.reshape(e, blocks, bn, full), tail], -1).reshape(e, blocks * bn, k)[:, :self.n]
+
+
+def chunk_weight(w: torch.Tensor, block_n: int, block_k: int) -> ChunkedWeight:
+    """w [E, N, K] -> ChunkedWeight (a new tensor; w is left as it was)."""
+    e, n, k = w.shape
+    blocks, full = triton.cdiv(n, block_n), k // block_k * block_k
+    padded = torch.zeros(e, blocks * block_n, k, dtype=w.dtype, device=w.device)
+    padded[:, :n] = w
+    padded = padded.view(e, blocks, block_n, k)
+    head = padded[..., :full].reshape(e, blocks, block_n, full // block_k, block_k).permute(0, 1, 3, 2, 4)
+    tail = padded[..., full:]
+    data = torch.cat([head.reshape(e, blocks, block_n * full), tail.reshape(e, blocks, -1)], -1)
+    return ChunkedWeight(data.contiguous(), n, k, block_n, block_k)
 
 
 def make_tile_map(ends: torch.Tensor, num_tiles: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,8 +267,9 @@ def make_tile_map(ends: torch.Tensor, num_tiles: int, block_m: int) -> tuple[tor
     return expert, (ends - counts)[owner] + (t - (tile_end - per_expert)[owner]) * block_m
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, rows: torch.Tensor | None = None,
-                   tile_map: tuple[torch.Tensor, torch.Tensor] | None = None, tiles: Tiles | None = None,
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor | ChunkedWeight, ends: torch.Tensor,
+                   rows: torch.Tensor | None = None, tile_map: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   tiles: Tiles | None = None,
                    x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Rows of x [P, K] sorted by group, group g = rows [ends[g-1], ends[g]) -> x_g @ w[g]^T ([E, N, K]).
@@ -224,10 +277,12 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, rows: t
     The tile map (which expert, which first row of each tiles.m-row tile; model.kernels.routing makes it
     with the sort) is made here on the device when not given: no sync, a grid of fixed size. FP8 (module
     docstring): x and w float8_e4m3fn with x_scale [T or P] (gathered with x's rows) and w_scale [E, N]
-    (fp32), -> out_dtype."""
+    (fp32), -> out_dtype. `w` may be a ChunkedWeight chunked for `tiles`' columns and K step."""
     scaled = x_scale is not None
     assert not scaled or out_dtype is not None, "FP8 operands: say the output's dtype"
     tiles = tiles or (FP8_GROUPED_TILES if scaled else GROUPED_TILES)
+    chunked = isinstance(w, ChunkedWeight)
+    assert not chunked or (w.block_n, w.block_k) == (tiles.n, tiles.k), "a weight chunked for other tiles"
     x = x.contiguous()
     p, k = (x.shape[0] if rows is None else rows.shape[0]), x.shape[1]
     e, n, _ = w.shape
@@ -237,10 +292,11 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, rows: t
     expert, row = tile_map if tile_map is not None else make_tile_map(ends, max_tiles, tiles.m)
     assert expert.shape[0] == max_tiles, "a tile map for another problem or tile height"
     out = torch.empty(p, n, dtype=out_dtype if scaled else x.dtype, device=x.device)
+    weight, strides = (w.data, (w.data.stride(0), 0, 0)) if chunked else (w, w.stride())
     _grouped_kernel[(max_tiles, triton.cdiv(n, tiles.n))](
-        x, x_scale if scaled else x, x if rows is None else rows, w, w_scale if scaled else w, out,
-        expert, row, ends, n, e, x.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), K=k,
-        BM=tiles.m, BN=tiles.n, BK=tiles.k, GATHER=rows is not None, SCALED=scaled, SWAP=tiles.swap,
+        x, x_scale if scaled else x, x if rows is None else rows, weight, w_scale if scaled else w, out,
+        expert, row, ends, n, e, x.stride(0), *strides, out.stride(0), K=k, BM=tiles.m, BN=tiles.n, BK=tiles.k,
+        GATHER=rows is not None, SCALED=scaled, SWAP=tiles.swap, CHUNKED=chunked,
         IMPRECISE_ACC=_imprecise_acc(scaled, tiles), PRECISION=_precision(x.dtype), INTERPRETED=INTERPRETED,
         num_warps=tiles.warps, num_stages=tiles.stages)
     return out
