@@ -9,7 +9,8 @@ here fixes its reduction order from what a row alone determines:
                   only, never on the rows, and the splits' fp32 partials are summed in split order.
   grouped_matmul  the experts' y_i = x_i W_{e(i)}^T over rows sorted by expert: the same tiles within
                   each expert's rows (no split-K), so a row's sum never depends on how many rows its
-                  expert got.
+                  expert got. The weight dense [E, N, K] or chunked for the tiles (ChunkedWeight: each
+                  tile's step of K one contiguous read; the FP8 experts' layout once loaded).
   row_sum         sum (or sum of squares) over the last dim, one program per row in fixed-width chunks.
 
 matmul and grouped_matmul also take FP8-dynamic operands (model/fp8.py): FP8 rows with a scale each and
