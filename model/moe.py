@@ -133,9 +133,9 @@ class GemmaExperts(nn.Module):
         is one contiguous read (README.md, "FP8 on one H200"). The parameter then holds the chunked bytes
         (the same count, where N is a multiple of the tiles' columns, as DiffusionGemma's is); the reference
         path, which reads the dense layout, is refused from then on."""
-        if self.down_proj_scale is None or not self.fp8_kernels(torch.empty(0, dtype=dtype,
-                                                                            device=self.down_proj.device)):
-            return
+        if self.down_chunks is not None or self.down_proj_scale is None or not self.fp8_kernels(
+                torch.empty(0, dtype=dtype, device=self.down_proj.device)):
+            return   # chunked already, BF16 experts, or the reference path will run them
         from model.kernels.fp8 import EXPERT_TILES   # triton: imported where CUDA runs it
         from model.kernels.invariant import chunk_weight
 

@@ -174,10 +174,12 @@ def experts_calls(family: dict, weights: list, quick: bool):
                 tiles = fp8.EXPERT_TILES.gate_up if gather else fp8.EXPERT_TILES.down
                 yield label, lambda: fp8.grouped_in_triton(x, torch.empty(x.shape[0]), w, torch.empty(n_e, n),
                                                            ends, rows, torch.bfloat16, tiles=tiles)
-                # as the served experts read it: chunked for the tiles at load (GemmaExperts.chunk_for_kernels)
+                # as the served experts read it: chunked for the tiles at load (GemmaExperts.chunk_for_kernels);
+                # its shape only (chunk_weight would copy the full-size weight on the CPU for every call)
+                chunks = invariant.ChunkedWeight(torch.empty(n_e, -(-n // tiles.n), tiles.n * kk, dtype=wdtype), n,
+                                                 kk, tiles.n, tiles.k)
                 yield f"{label} chunked", lambda: fp8.grouped_in_triton(
-                    x, torch.empty(x.shape[0]), invariant.chunk_weight(w, tiles.n, tiles.k), torch.empty(n_e, n),
-                    ends, rows, torch.bfloat16, tiles=tiles)
+                    x, torch.empty(x.shape[0]), chunks, torch.empty(n_e, n), ends, rows, torch.bfloat16, tiles=tiles)
             else:
                 yield label, lambda: invariant.grouped_matmul(x, w, ends, rows)
         yield f"combine T={tokens}", lambda: combine(torch.empty(pairs, family["hidden"], dtype=torch.bfloat16),

@@ -111,5 +111,11 @@ def test_experts_are_chunked_at_load_where_the_kernels_run(tiny_fp8_gemma):
             chunks, param = getattr(b, f"{name}_chunks"), getattr(b, f"{name}_proj")
             assert chunks.data.data_ptr() == param.data_ptr()
             assert torch.equal(chunks.dense().view(torch.uint8), getattr(a, f"{name}_proj").view(torch.uint8))
+    b = pairs[0][1]
+    shape = b.gate_up_proj.shape
+    with pytest.MonkeyPatch.context() as mp:   # a second call, where the kernels run, leaves them as they are
+        mp.setattr(model.moe, "kernels_take", lambda x: True)
+        b.chunk_for_kernels(torch.bfloat16)
+    assert b.gate_up_proj.shape == shape and b.gate_up_chunks.data.data_ptr() == b.gate_up_proj.data_ptr()
     with pytest.raises(RuntimeError, match="chunked for the FP8 kernels at load"):
         schedule(chunked, TPGroup())

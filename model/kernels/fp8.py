@@ -7,10 +7,11 @@ are float8_e4m3fn with one fp32 scale per output channel, and the scales meet in
   scaled_linear   a dense layer: cuBLAS's FP8 GEMM with row-wise scales (torch._scaled_mm); for a few
                   rows through a weight deeper than twice its width (the down projections), our split-K
                   kernel (model.kernels.invariant.matmul), which spreads the long K over more SMs
-  scaled_grouped  the experts over rows sorted by expert: few rows per expert, our triton grouped kernel
-                  (model.kernels.invariant's, with FP8 operands: it reads each pair's token row in place
-                  and streams the weights, where the batch is small and the step is a weight read); many,
-                  CUTLASS's grouped FP8 GEMM (torch._scaled_grouped_mm)
+  scaled_grouped  the experts over rows sorted by expert: our triton grouped kernel (model.kernels.invariant's,
+                  with FP8 operands: it reads each pair's token row in place and streams the weights). The
+                  served experts' weights are chunked for its tiles at load (ChunkedWeight), and then it
+                  runs at every batch; over a dense weight, CUTLASS's grouped FP8 GEMM
+                  (torch._scaled_grouped_mm) takes more than FEW_ROWS_PER_EXPERT rows an expert
 
 All are CUDA-graph capturable (no host sync, fixed grids). cuBLAS and CUTLASS pick their tiling from the
 problem's shape, so with `invariant` (the batch-invariant mode) both run model.kernels.invariant's
@@ -79,7 +80,8 @@ def grouped_in_cutlass(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, w_sc
     return torch._scaled_grouped_mm(xq, w.transpose(1, 2), sx.contiguous(), w_scale, offs=ends, out_dtype=out_dtype)
 
 
-# rows per expert (on average) up to which the triton kernel is used; above, CUTLASS's
+# rows per expert (on average) up to which the triton kernel takes a dense weight; above, CUTLASS's (a chunked
+# weight, as the served experts' are, always goes to the triton kernel)
 FEW_ROWS_PER_EXPERT = 32
 
 

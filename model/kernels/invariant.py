@@ -219,7 +219,7 @@ class ChunkedWeight(NamedTuple):
     """The experts' weight [E, N, K] as the grouped kernel reads it fastest: each expert's rows in blocks of
     `block_n` (the last padded with zero rows), each block's K cut into `block_k`-wide chunks stored one
     after another, a chunk [block_n, width] row-major (width block_k; the last chunk, what is left of K).
-    A tile's weight for one step of K is then one contiguous read (16 KB for FP8 128 x 128) instead of
+    A tile's weight for one step of K is then one contiguous read (8 KB for FP8 128 x 64) instead of
     block_n pieces of block_k bytes a row apart. The same values, so the same products and bits."""
     data: torch.Tensor   # [E, ceil(N / block_n), block_n * K]
     n: int
@@ -284,6 +284,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor | ChunkedWeight, ends: torch
     tiles = tiles or (FP8_GROUPED_TILES if scaled else GROUPED_TILES)
     chunked = isinstance(w, ChunkedWeight)
     assert not chunked or (w.block_n, w.block_k) == (tiles.n, tiles.k), "a weight chunked for other tiles"
+    assert x.shape[-1] == w.shape[2], ("rows and weight of different K", x.shape, w.shape)
     x = x.contiguous()
     p, k = (x.shape[0] if rows is None else rows.shape[0]), x.shape[1]
     e, n, _ = w.shape
