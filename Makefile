@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 # Everything but the tests marked `reliability` (deselected in pyproject.toml); the 15 slowest listed at
 # the end (the suite must stay well under 20 minutes on 2 cores: 13.8-17.7 for 1021-1024 tests on 2026-12-06,
 # a day this machine took 23.9 for the suite before the interpreter snippets ran two at a time, and 17.9-19.1
-# for 1027-1028 later, on a slow day of this machine; see the README).
+# for 1027-1028 later, on a slow day of this machine; 21.7-22.1 for 1030 on a slower one; see the README).
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15 tests
 
@@ -57,8 +57,8 @@ bench:
 	python3 -m benchmarks.roofline $(ARGS)
 
 # On the GPU host, like bench: the FP8 kernels' sweeps that choose tiles for DiffusionGemma (about 2-4
-# minutes, mostly compiles): the experts' grouped kernel per projection at 1 and 4 canvases against the read
-# floor and CUTLASS, then the dense projections' cuBLAS against the triton matmul's tiles and K-splits,
+# minutes, mostly compiles): the experts' grouped kernel per projection at 1-16 canvases, over the dense and the
+# chunked weight (the served layout), against the read floor and CUTLASS, then the dense projections' cuBLAS against the triton matmul's tiles and K-splits,
 # then its lone canvas's attention (pipelined key loop or not, tiles, the split combine's tiles).
 .PHONY: bench-fp8-kernels
 bench-fp8-kernels:
