@@ -45,6 +45,8 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
     source = torch.randn(11, D, dtype=dtype)                       # rows gathered in the kernel
     rows = torch.randint(0, 11, (len(x),))
     assert torch.equal(K.grouped_matmul(source, w, ends, rows), K.grouped_matmul(source[rows], w, ends))
+    chunks = K.chunk_weight(w, K.GROUPED_TILES.n, K.GROUPED_TILES.k)   # N, K not multiples of the chunk
+    assert torch.equal(K.grouped_matmul(source, chunks, ends, rows), K.grouped_matmul(source, w, ends, rows))
     h = torch.randn(33, 5000, dtype=dtype)
     s = K.row_sum(h, square=True)
     assert s.dtype == torch.float32 and torch.allclose(s.double(), h.double().pow(2).sum(-1), rtol=1e-5)

@@ -296,7 +296,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor | ChunkedWeight, ends: torch
     out = torch.empty(p, n, dtype=out_dtype if scaled else x.dtype, device=x.device)
     weight, strides = (w.data, (w.data.stride(0), 0, 0)) if chunked else (w, w.stride())
     _grouped_kernel[(max_tiles, triton.cdiv(n, tiles.n))](
-        x, x_scale if scaled else x, x if rows is None else rows, weight, w_scale if scaled else w, out,
+        x, x_scale if scaled else x, x if rows is None else rows, weight, w_scale if scaled else weight, out,
         expert, row, ends, n, e, x.stride(0), *strides, out.stride(0), K=k, BM=tiles.m, BN=tiles.n, BK=tiles.k,
         GATHER=rows is not None, SCALED=scaled, SWAP=tiles.swap, CHUNKED=chunked,
         IMPRECISE_ACC=_imprecise_acc(scaled, tiles), PRECISION=_precision(x.dtype), INTERPRETED=INTERPRETED,
