@@ -57,8 +57,9 @@ bench:
 	python3 -m benchmarks.roofline $(ARGS)
 
 # On the GPU host, like bench: the FP8 kernels' sweeps that choose tiles for DiffusionGemma (about 2-4
-# minutes, mostly compiles): the experts' grouped kernel per projection at 1-16 canvases, over the dense and the
-# chunked weight (the served layout), against the read floor and CUTLASS, then the dense projections' cuBLAS against the triton matmul's tiles and K-splits,
+# minutes, mostly compiles): the experts' grouped kernel per projection at 1-16 canvases, over the dense and
+# the chunked weight (the served layout), against the read floor and CUTLASS, then the dense projections'
+# cuBLAS against the triton matmul's tiles and K-splits,
 # then its lone canvas's attention (pipelined key loop or not, tiles, the split combine's tiles).
 .PHONY: bench-fp8-kernels
 bench-fp8-kernels:

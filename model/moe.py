@@ -77,8 +77,7 @@ class GemmaExperts(nn.Module):
         self.num_experts, self.hidden = E, H = cfg.num_experts, cfg.hidden_size
         self.total_intermediate = cfg.moe_intermediate_size
         self.intermediate = divide(cfg.moe_intermediate_size, tp.world_size, "moe_intermediate_size")
-        # the weights chunked for the FP8 grouped kernel, once loaded (chunk_for_kernels), else None
-        self.gate_up_chunks = self.down_chunks = None
+        self.chunked = False   # the FP8 weights rewritten for the grouped kernel's tiles (chunk_for_kernels)
         if not quant.fp8(*(f"{e}.{p}" for e in range(E) for p in ("gate_proj", "up_proj", "down_proj"))):
             self.gate_up_proj = new_param(E, 2 * self.intermediate, H, loader=self.gate_up_loader)
             self.down_proj = new_param(E, H, self.intermediate, loader=self.down_loader)
@@ -133,22 +132,32 @@ class GemmaExperts(nn.Module):
         is one contiguous read (README.md, "FP8 on one H200"). The parameter then holds the chunked bytes
         (the same count, where N is a multiple of the tiles' columns, as DiffusionGemma's is); the reference
         path, which reads the dense layout, is refused from then on."""
-        if self.down_chunks is not None or self.down_proj_scale is None or not self.fp8_kernels(
+        if self.chunked or self.down_proj_scale is None or not self.fp8_kernels(
                 torch.empty(0, dtype=dtype, device=self.down_proj.device)):
             return   # chunked already, BF16 experts, or the reference path will run them
         from model.kernels.fp8 import EXPERT_TILES   # triton: imported where CUDA runs it
         from model.kernels.invariant import chunk_weight
 
-        for name, tiles in (("gate_up", EXPERT_TILES.gate_up), ("down", EXPERT_TILES.down)):
-            param = getattr(self, f"{name}_proj")
-            chunks = chunk_weight(param.data, tiles.n, tiles.k)
-            param.data = chunks.data
-            setattr(self, f"{name}_chunks", chunks)
+        for param, tiles in ((self.gate_up_proj, EXPERT_TILES.gate_up), (self.down_proj, EXPERT_TILES.down)):
+            param.data = chunk_weight(param.data, tiles.n, tiles.k).data
+        self.chunked = True
+
+    def kernel_weights(self) -> tuple:
+        """gate_up and down as the FP8 grouped kernel reads them: the parameters, or views of them as the
+        ChunkedWeight they hold once chunked (the layout described from the parameter, not kept beside it)."""
+        if not self.chunked:
+            return self.gate_up_proj, self.down_proj
+        from model.kernels.fp8 import EXPERT_TILES
+        from model.kernels.invariant import ChunkedWeight
+
+        g, d = EXPERT_TILES.gate_up, EXPERT_TILES.down
+        return (ChunkedWeight(self.gate_up_proj, 2 * self.intermediate, self.hidden, g.n, g.k),
+                ChunkedWeight(self.down_proj, self.hidden, self.intermediate, d.n, d.k))
 
     def project(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, pairs: SortedPairs,
                 gather: bool = False) -> torch.Tensor:
         """grouped_linear with one of the two weights (FP8: fp8_grouped_linear with its scales)."""
-        if self.down_chunks is not None:
+        if self.chunked:
             raise RuntimeError(f"the experts' weights were chunked for the FP8 kernels at load, but these "
                                f"activations ({x.dtype} on {x.device}) do not take them")
         if scale is None:
@@ -168,8 +177,7 @@ class GemmaExperts(nn.Module):
 
         a = as_quantized(x)
         invariant = batch_invariant.enabled()
-        gate_up_w = self.gate_up_proj if self.gate_up_chunks is None else self.gate_up_chunks
-        down_w = self.down_proj if self.down_chunks is None else self.down_chunks
+        gate_up_w, down_w = self.kernel_weights()
         gate_up = scaled_grouped(a.q, a.scale, gate_up_w, self.gate_up_proj_scale, pairs.ends, pairs.token,
                                  a.dtype, pairs.tile_map, invariant, EXPERT_TILES.gate_up)
         h = gelu_mul_quantized(gate_up)

@@ -105,17 +105,17 @@ def test_experts_are_chunked_at_load_where_the_kernels_run(tiny_fp8_gemma):
         mp.setattr(model.moe, "kernels_take", lambda x: True)
         chunked = load_model(tiny_fp8_gemma, show_progress=False)
     pairs = [(a, b) for a, b in zip(dense.modules(), chunked.modules(), strict=True) if isinstance(a, GemmaExperts)]
-    assert pairs and all(a.down_chunks is None for a, _ in pairs)
+    assert pairs and not any(a.chunked for a, _ in pairs) and all(b.chunked for _, b in pairs)
     for a, b in pairs:
-        for name in ("gate_up", "down"):
-            chunks, param = getattr(b, f"{name}_chunks"), getattr(b, f"{name}_proj")
+        for chunks, param, dense_param in zip(b.kernel_weights(), (b.gate_up_proj, b.down_proj),
+                                              (a.gate_up_proj, a.down_proj), strict=True):
             assert chunks.data.data_ptr() == param.data_ptr()
-            assert torch.equal(chunks.dense().view(torch.uint8), getattr(a, f"{name}_proj").view(torch.uint8))
+            assert torch.equal(chunks.dense().view(torch.uint8), dense_param.view(torch.uint8))
     b = pairs[0][1]
     shape = b.gate_up_proj.shape
     with pytest.MonkeyPatch.context() as mp:   # a second call, where the kernels run, leaves them as they are
         mp.setattr(model.moe, "kernels_take", lambda x: True)
         b.chunk_for_kernels(torch.bfloat16)
-    assert b.gate_up_proj.shape == shape and b.gate_up_chunks.data.data_ptr() == b.gate_up_proj.data_ptr()
+    assert b.gate_up_proj.shape == shape and b.kernel_weights()[0].data.data_ptr() == b.gate_up_proj.data_ptr()
     with pytest.raises(RuntimeError, match="chunked for the FP8 kernels at load"):
         schedule(chunked, TPGroup())
