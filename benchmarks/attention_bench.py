@@ -1,7 +1,8 @@
 """DiffusionGemma 26B-A4B's attention at one canvas, on the GPU host: the served call
 (model.kernels.attention.attention: its key splits and their combine) per layer kind, with its key
 loop pipelined (PIPELINE_KEYS) and not (the loop every compiled call ran before), and the split combine
-alone at its served tiles against the attention program's (what it ran at before 219a5b6).
+alone at its served tiles against the attention program's (what it ran at before 219a5b6), and the
+libraries' attention kernels on the same problem (`libraries_us`).
 
     PYTHONPATH=. python3 benchmarks/attention_bench.py [--json FILE]
 
@@ -12,6 +13,13 @@ Each call is the mean of 200 replays in one CUDA graph (benchmarks/fp8_gemm_benc
 tiles (key splits as the served tiles' rule gives them; a tile that does not fit reports why). The two
 combine tiles must give the same bits (a row's result does not depend on its tile): `same_bits`; so
 must the two loops (the same blocks in the same order): `pipelined_same_bits`.
+
+`libraries_us`: the same attention through torch's SDPA backends (FlashAttention-2, cuDNN, the
+memory-efficient kernel; GQA by `enable_gqa`, and with the kv heads repeated, which some backends need)
+and flex_attention compiled, each over the row's visible keys laid out as SDPA reads them
+(`library_problem`: a canvas row with a full ring sees every ring position, and softmax does not care
+about their order); each backend's time, or why it cannot run the shape, and its largest difference from
+the served output (`*_rel_diff`, relative to the output's largest value).
 """
 from __future__ import annotations
 
@@ -44,6 +52,60 @@ def problem(d: int, hkv: int, keys: int, ring: int | None, device: str = "cuda")
     meta = [torch.tensor([0], device=device), torch.tensor([keys], device=device), torch.tensor([C], device=device),
             torch.tensor([0], device=device)]   # slot, start, length, causal
     return q, k, v, meta
+
+
+def library_problem(q, k, v, keys: int, ring: int | None):
+    """The problem() of one bidirectional canvas row as SDPA takes it: q [1, Hq, C, d], k and v
+    [1, Hkv, visible, d] (every ring position, or the `keys` before the canvas and the canvas's own)."""
+    visible = ring if ring is not None else keys + C
+    return (q.transpose(1, 2).contiguous(), k[:, :visible].transpose(1, 2).contiguous(),
+            v[:, :visible].transpose(1, 2).contiguous())
+
+
+def library_calls(q, k, v, flex: bool = True) -> dict:
+    """name -> a call of a library's attention on library_problem()'s tensors (scale 1, no mask);
+    `flex`: flex_attention too (compiled: slow to build on a CPU)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import flex_attention
+
+    repeat = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+
+    def sdpa(backend, gqa: bool):
+        def call():
+            with sdpa_kernel(backend):
+                if gqa:
+                    return F.scaled_dot_product_attention(q, k, v, scale=1.0, enable_gqa=True)
+                return F.scaled_dot_product_attention(q, kr, vr, scale=1.0)
+        return call
+
+    calls = {f"{name}{'' if gqa else '_repeated'}": sdpa(backend, gqa)
+             for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                                   ("efficient", SDPBackend.EFFICIENT_ATTENTION)) for gqa in (True, False)}
+    if flex:
+        compiled = torch.compile(flex_attention, dynamic=False)
+        calls["flex"] = lambda: compiled(q, k, v, scale=1.0, enable_gqa=True)
+    return calls
+
+
+def libraries(served_out, q, k, v, keys: int, ring: int | None, timed: bool = True, flex: bool = True) -> dict:
+    """Each library call's time (us; `timed`) and its difference from the served output, or why it
+    cannot run."""
+    from benchmarks.fp8_gemm_bench import time_us
+
+    lq, lk, lv = library_problem(q, k, v, keys, ring)
+    ref = served_out.float()
+    row = {}
+    for name, call in library_calls(lq, lk, lv, flex).items():
+        try:
+            out = call().transpose(1, 2).float()
+            row[f"{name}_rel_diff"] = ((out - ref).abs().max() / ref.abs().max()).item()
+            if timed:
+                row[f"{name}_us"] = time_us(call)
+        except Exception as err:   # a backend that does not take the shape (head dim 512) says why
+            row[name] = repr(err)[:160]
+    return row
 
 
 def combine_problem(d: int, hkv: int, splits: int, device: str = "cuda"):
@@ -90,6 +152,7 @@ def measure() -> dict:
         step["served"] += weight * served
         step["unpipelined"] += weight * unpipelined
         row["tiles_us"] = {str(t): try_us(lambda: call(tiles=t)) for t in SWEEP[d]}  # noqa: B023
+        row["libraries_us"] = libraries(call(), q, k, v, keys, ring)
         result[name] = row
         print(name, json.dumps(row), flush=True)
     result["step_us"] = step
