@@ -5,8 +5,11 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
-    # The modules on the session's shared Ray + Serve (tests/serve_harness.py) run last, in their order
-    items.sort(key=lambda item: "shared_serve" in item.keywords)
+    # The modules on the session's shared Ray + Serve (tests/serve_harness.py) run last, in their order;
+    # before them the modules with triton-interpreter snippets, whose snippets start with the session and
+    # run in the background meanwhile (tests/interpreter.py), so their tests find them done
+    snippets = {item.path for item in items if item.get_closest_marker("interpreted")}
+    items.sort(key=lambda item: ("shared_serve" in item.keywords, item.path in snippets))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -16,9 +19,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_setup(item):
-    from tests.interpreter import start_module_ahead
+    from tests.interpreter import start_session_ahead
 
-    start_module_ahead(item)
+    start_session_ahead(item)
 
 
 def pytest_sessionfinish(session, exitstatus):
