@@ -38,9 +38,11 @@ def _interpret(code: str, timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     # at the lowest CPU priority: a snippet takes the cores the tests in the foreground leave idle, and
     # slows a Ray test beside it as little as it can (one started ahead and not yet awaited took 20-60 s
-    # more of the first Ray modules' time at the default priority)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=lambda: os.nice(19))
+    # more of the first Ray modules' time at the default priority). The child lowers its own priority:
+    # a preexec_fn is unsafe from the pool's thread. On the snippet's blank first line where it has one,
+    # so a traceback's line numbers stay the snippet's.
+    niced = "import os; os.nice(19)" + (code if code.startswith("\n") else "\n" + code)
+    return subprocess.run([sys.executable, "-c", niced], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def run_interpreted(code: str, done: str, timeout: float = 300) -> str:
