@@ -54,6 +54,8 @@ serve: $(STAMP)
 # 6-7.5 minutes on one H200 without the traffic rows, ARGS="--skip traffic"; they add 5-7 minutes a family
 # and a warm restart each,
 # so one call of at most 10 minutes takes ARGS="--skip gemma" or "--skip nemotron"; Ray from the offline bundle).
+# Issue 24's FP8 figures alone (both families' FP8 steps and BF16 twins, the profiles, the served seed
+# workload): ARGS="--skip bf16,tp", 6 minutes on an H100.
 bench:
 	python3 -m benchmarks.roofline $(ARGS)
 
