@@ -36,6 +36,7 @@ from workers.engine import Engine
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
 NODE_CPUS = 2
+ROUNDS = 5   # of eight requests at once, until both replicas of test_ray_metrics_cover_every_replica served some
 
 
 @pytest.fixture(scope="module")
@@ -349,28 +350,34 @@ def ray_samples(cluster, name: str) -> list:
 
 def test_ray_metrics_cover_every_replica(cluster, tiny_nemotron):
     """Two replicas on two nodes: Ray's metrics carry both (their slots, and tokens that add up to every
-    answer's), where the ingress's /metrics shows one replica's. Requests sent together reach both."""
+    answer's), where the ingress's /metrics shows one replica's. Requests are sent eight at a time until
+    both replicas have served some: Serve's router may send a whole round to one (CI saw all 8 of one
+    round there), so that is bounded (ROUNDS), not assumed."""
     app = build_app({"model": str(tiny_nemotron), "served_model_name": MODEL, "num_replicas": 2, "max_num_seqs": 4,
                      "max_model_len": 256})
     serve.run(app, name="replicas", route_prefix="/replicas")
     try:
         body = {"model": MODEL, "prompt": "every replica", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
-        with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda _: httpx.post(f"{base(cluster, 'replicas')}/v1/completions", json=body,
-                                                         timeout=120), range(8)))
-        assert all(r.status_code == 200 for r in answers)
-        assert len({r.json()["choices"][0]["text"] for r in answers}) == 1
 
         def per_replica(name: str) -> dict[str, float]:
             return {s.labels["replica"]: s.value for s in ray_samples(cluster, name)
                     if s.labels.get("application") == "replicas" and s.labels.get("deployment") == "Coordinator"}
 
-        tokens = wait_until(lambda: sum((t := per_replica("ray_dllm_committed_tokens_total")).values()) == 8 * 64 and t,
-                            30, "every answer's tokens in Ray's metrics")
-        assert len(tokens) == 2 and all(n > 0 for n in tokens.values()), tokens
+        answers: list[httpx.Response] = []
+        for _ in range(ROUNDS):
+            with ThreadPoolExecutor(8) as pool:
+                answers += pool.map(lambda _: httpx.post(f"{base(cluster, 'replicas')}/v1/completions", json=body,
+                                                         timeout=120), range(8))
+            tokens = wait_until(lambda: sum((t := per_replica("ray_dllm_committed_tokens_total")).values())
+                                == len(answers) * 64 and t, 30, "every answer's tokens in Ray's metrics")
+            if len(tokens) == 2:
+                break
+        assert all(r.status_code == 200 for r in answers)
+        assert len({r.json()["choices"][0]["text"] for r in answers}) == 1
+        assert len(tokens) == 2 and all(n > 0 for n in tokens.values()), (len(answers), tokens)
         assert set(per_replica("ray_dllm_num_slots").values()) == {4.0} and len(per_replica("ray_dllm_num_slots")) == 2
         served = wait_until(lambda: sum(s.value for s in ray_samples(cluster, "ray_dllm_requests_total")
-                                        if s.labels.get("application") == "replicas") == 8, 30,
+                                        if s.labels.get("application") == "replicas") == len(answers), 30,
                             "the ingress's request count in Ray's metrics")
         assert served
         one = httpx.get(f"{base(cluster, 'replicas')}/metrics", timeout=30).text   # one replica's view
