@@ -368,11 +368,11 @@ def test_ray_metrics_cover_every_replica(cluster, tiny_nemotron):
             with ThreadPoolExecutor(8) as pool:
                 answers += pool.map(lambda _: httpx.post(f"{base(cluster, 'replicas')}/v1/completions", json=body,
                                                          timeout=120), range(8))
+            assert all(r.status_code == 200 for r in answers)   # before waiting for metrics of failed requests
             tokens = wait_until(lambda: sum((t := per_replica("ray_dllm_committed_tokens_total")).values())
                                 == len(answers) * 64 and t, 30, "every answer's tokens in Ray's metrics")
             if len(tokens) == 2:
                 break
-        assert all(r.status_code == 200 for r in answers)
         assert len({r.json()["choices"][0]["text"] for r in answers}) == 1
         assert len(tokens) == 2 and all(n > 0 for n in tokens.values()), (len(answers), tokens)
         assert set(per_replica("ray_dllm_num_slots").values()) == {4.0} and len(per_replica("ray_dllm_num_slots")) == 2
