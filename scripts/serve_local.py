@@ -55,9 +55,10 @@ def _terminate(signum, frame):
 
 def _stop_on_signals() -> None:
     """Ctrl-C and SIGTERM both mean a clean shutdown, even where SIGINT was inherited as ignored (a
-    background job of a non-interactive shell)."""
+    background job of a non-interactive shell) or either was inherited blocked."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _terminate)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 

@@ -78,10 +78,6 @@ def test_ctrl_c_while_serving(serve_local):
 
 FORK_UNDER_CTRL_C = """
 import ctypes, functools, os, signal
-# Python's own Ctrl-C, whatever this process inherited: a shell starts a background job (a suite run with
-# `&`) with SIGINT ignored, and Python keeps an inherited SIG_IGN (or a blocked SIGINT), so no Ctrl-C lands
-signal.signal(signal.SIGINT, signal.default_int_handler)
-signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
 # a Ctrl-C that lands while a fork runs its after-fork hooks (as one of ray.init's forks did): sent by a
 # hook registered before logging's that runs no bytecode and checks no signal (libc's kill, not os.kill),
 # so the first bytecode to see it is logging's hook that releases its lock
@@ -89,6 +85,9 @@ os.register_at_fork(after_in_parent=functools.partial(ctypes.CDLL(None).kill, os
 import logging, sys, threading
 sys.path.insert(0, {scripts!r})
 import serve_local
+# Ctrl-C raised as serve_local's main sets it up first, whatever this process inherited (a shell starts a
+# background job, a suite run with `&`, with SIGINT ignored, and Python keeps that)
+serve_local._stop_on_signals()
 caught = serve_local._defer_signals() if {defer} else None
 try:
     pid = os.fork()
