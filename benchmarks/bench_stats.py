@@ -9,7 +9,7 @@ Definitions (all times from the client's clock, per request, from sending the re
          here is the time between blocks, not between tokens.
   TPOT   time per output token excluding the first: (end-to-end - TTFT) / (output tokens - 1).
   E2EL   end-to-end latency, to the end of the stream.
-The Diffusion Decoding block sums each request's `usage.diffusion` (SPEC.md section 8); committed
+The Diffusion Decoding block sums each request's `usage.diffusion` (docs/spec.md section 8); committed
 throughput = committed tokens / benchmark duration.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ from pathlib import Path
 from model.tiny import DIFFUSION_GEMMA_SPECIAL_TOKENS, DIFFUSION_GEMMA_TINY_VISION_CONFIG, NEMOTRON_LD_SPECIAL_TOKENS
 from model.tiny_tokenizer import GEMMA_STYLE_CHAT_TEMPLATE, MISTRAL_STYLE_CHAT_TEMPLATE, build_tiny_tokenizer
 
-# SPEC.md 2.1: the published Nemotron-Labs-Diffusion-8B config.json
+# docs/spec.md 2.1: the published Nemotron-Labs-Diffusion-8B config.json
 NEMOTRON_LD_8B = {
     "architectures": ["NemotronLabsDiffusionModel"], "model_type": "nemotron_labs_diffusion",
     "attention_bias": False, "attention_dropout": 0.0, "block_size": 32, "bos_token_id": 1,
@@ -22,7 +22,7 @@ NEMOTRON_LD_8B = {
     "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 131072,
 }
 
-# SPEC.md 2.2: DiffusionGemma 26B-A4B's text backbone (sliding layers 8 KV heads x 256, full layers
+# docs/spec.md 2.2: DiffusionGemma 26B-A4B's text backbone (sliding layers 8 KV heads x 256, full layers
 # 2 x 512 with K = V, window 1024, 128 experts top-8); the vision tower is the tiny one (never served)
 DIFFUSION_GEMMA_26B_A4B_TEXT = {
     "vocab_size": 262144, "hidden_size": 2816, "intermediate_size": 2112, "num_hidden_layers": 30,

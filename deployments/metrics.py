@@ -1,6 +1,6 @@
 """`GET /metrics`: Prometheus text for an operator's dashboard.
 
-From the coordinator's stats (one source per number): the step counters (SPEC.md section 8), queue
+From the coordinator's stats (one source per number): the step counters (docs/spec.md section 8), queue
 and slot gauges, shard failures, restarts and busy seconds, requests by finish reason, and the
 per-request histograms of workers/metrics.py (the series named there; the coordinator replicas export
 the same through Ray's metrics, workers/ray_metrics.py). From this ingress process: HTTP requests to the

@@ -47,7 +47,7 @@ class _Strict(BaseModel):
 
 
 class DiffusionOptions(_Strict):
-    """Per-request overrides of the server's diffusion defaults (SPEC.md sections 3 and 5)."""
+    """Per-request overrides of the server's diffusion defaults (docs/spec.md sections 3 and 5)."""
 
     mode: Mode | None = None
     policy: RevealPolicy | None = None
@@ -56,7 +56,7 @@ class DiffusionOptions(_Strict):
     max_denoising_steps: int | None = Field(None, ge=1)
     seed_first_position: bool | None = None
     eos_early_stop: bool | None = None
-    # DiffusionGemma's renoise sampler (SPEC.md 4); unset: the checkpoint's generation_config.json
+    # DiffusionGemma's renoise sampler (docs/spec.md 4); unset: the checkpoint's generation_config.json
     t_min: float | None = Field(None, ge=0)
     t_max: float | None = Field(None, gt=0)
     stability_threshold: int | None = Field(None, ge=0)
@@ -360,7 +360,7 @@ def _id(prefix: str) -> str:
 
 
 class DiffusionUsage(BaseModel):
-    """Diffusion metrics of one request (SPEC.md section 8): `denoising_steps` excludes commits,
+    """Diffusion metrics of one request (docs/spec.md section 8): `denoising_steps` excludes commits,
     `canvases` counts commits, `canvas_positions` the positions those denoising steps evaluated
     (every one is a forward over the whole canvas); derived ratios are None when their denominator is
     0 (AR mode)."""

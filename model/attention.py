@@ -1,4 +1,4 @@
-"""Attention over a per-slot KV cache for the three step kinds (SPEC.md section 1).
+"""Attention over a per-slot KV cache for the three step kinds (docs/spec.md section 1).
 
 One forward carries B rows, each a segment of one slot padded to a common length L:
   prefill  causal over prompt tokens, keys = the slot's cache before it + itself;
@@ -9,7 +9,7 @@ attention reads it. For denoise rows those positions lie past the committed pref
 scratch that the canvas's commit overwrites: only `prefix_len` positions of a slot are ever valid.
 Padding tokens write into a sink row that nothing reads.
 
-Sliding-window layers (DiffusionGemma, SPEC.md 2.2) read a second mask, `window_mask`: a causal row's
+Sliding-window layers (DiffusionGemma, docs/spec.md 2.2) read a second mask, `window_mask`: a causal row's
 query at position q sees keys (q - W, q]; a denoise row's queries see the last W - 1 prefix keys plus
 the whole canvas, the window anchored at the canvas start as in transformers (its decoder reads the
 sliding cache layer, which holds the last W - 1 prefix tokens, then appends the canvas).

@@ -77,7 +77,7 @@ class _CheckpointConfig(_Frozen):
 
 
 class NemotronLabsDiffusionConfig(_CheckpointConfig):
-    """Nemotron-Labs-Diffusion (SPEC.md 2.1): a Ministral-3 backbone under `encoder.*` plus an untied
+    """Nemotron-Labs-Diffusion (docs/spec.md 2.1): a Ministral-3 backbone under `encoder.*` plus an untied
     `diffusion_head`, decoded by masked block diffusion over `block_size`-token canvases."""
 
     model_type: Literal["nemotron_labs_diffusion"]
@@ -170,7 +170,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 class DiffusionGemmaConfig(_CheckpointConfig):
-    """DiffusionGemma (SPEC.md 2.2): one Gemma-4 MoE text backbone run causally (prefill, commit) and
+    """DiffusionGemma (docs/spec.md 2.2): one Gemma-4 MoE text backbone run causally (prefill, commit) and
     bidirectionally (denoise), tied embeddings, decoded by uniform-noise diffusion over
     `canvas_length`-token canvases. config.json nests the backbone under `text_config`; it is read
     flattened (the vision tower is not served). Full-attention layers take their head_dim and KV heads
@@ -301,7 +301,7 @@ class DiffusionGemmaConfig(_CheckpointConfig):
 
 
 class RenoiseDefaults(_Frozen):
-    """DiffusionGemma's decoding knobs (SPEC.md 4) from `generation_config.json`, with transformers'
+    """DiffusionGemma's decoding knobs (docs/spec.md 4) from `generation_config.json`, with transformers'
     defaults (`DiffusionGemmaGenerationConfig._get_default_generation_params`) for absent or null keys;
     per-server and per-request overrides layer over these."""
 

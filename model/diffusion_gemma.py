@@ -1,4 +1,4 @@
-"""DiffusionGemma (SPEC.md 2.2, 4.9): one Gemma-4 MoE text backbone, one tensor-parallel rank of it.
+"""DiffusionGemma (docs/spec.md 2.2, 4.9): one Gemma-4 MoE text backbone, one tensor-parallel rank of it.
 
 The same weights serve the causal "encoder" (prefill, commit) and the bidirectional "decoder"
 (denoise); transformers' DiffusionGemmaModel ties them, so there is one stack of layers here. Per row:

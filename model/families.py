@@ -2,7 +2,7 @@
 
 A family is a config class (model/config.py), a model class, the step that denoises its canvases
 (model/steps), the decoding modes its weights support, and whether its canvases are uniform noise
-with DiffusionGemma's schedule knobs (SPEC.md 4) or masked (SPEC.md 3). Adding a family is its own
+with DiffusionGemma's schedule knobs (docs/spec.md 4) or masked (docs/spec.md 3). Adding a family is its own
 files plus one entry here.
 
 Torch-free: the ingress and the scheduler read it. The torch classes are named by import path and
@@ -25,8 +25,8 @@ class Family:
     config: type                  # the pydantic class that reads its config.json
     model_class: str              # "module:Class" of one tensor-parallel rank's model (model/protocol.py)
     canvas_step: str              # "module:Class" of its canvas-wide step kind (model/steps)
-    modes: tuple[str, ...]        # decoding modes of its weights (SPEC.md 3, 5)
-    # uniform-noise canvases (SPEC.md 4): schedule knobs from generation_config.json, a per-step
+    modes: tuple[str, ...]        # decoding modes of its weights (docs/spec.md 3, 5)
+    # uniform-noise canvases (docs/spec.md 4): schedule knobs from generation_config.json, a per-step
     # temperature from the schedule (it always samples), and a request's last canvas emitted when it
     # converges, without the commit step whose KV nothing would read
     uniform_noise: bool = False

@@ -50,7 +50,7 @@ class DiffusionLM(Protocol):
 
     @property
     def logit_softcap(self) -> float | None:
-        """c of the sampler's c * tanh(logits / c) (SPEC.md 4.1); None: the raw logits."""
+        """c of the sampler's c * tanh(logits / c) (docs/spec.md 4.1); None: the raw logits."""
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, soft: torch.Tensor | None = None) -> torch.Tensor: ...
 

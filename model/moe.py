@@ -1,4 +1,4 @@
-"""DiffusionGemma's mixture of experts (SPEC.md 2.2), one tensor-parallel rank of it: the router and
+"""DiffusionGemma's mixture of experts (docs/spec.md 2.2), one tensor-parallel rank of it: the router and
 the routed experts of a layer.
 
     weights, ids = router(x)                   top-k experts per token, softmax-renormalised, scaled

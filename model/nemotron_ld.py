@@ -1,4 +1,4 @@
-"""Nemotron-Labs-Diffusion (SPEC.md 2.1): a Ministral-3 backbone (`encoder.*`) and an untied
+"""Nemotron-Labs-Diffusion (docs/spec.md 2.1): a Ministral-3 backbone (`encoder.*`) and an untied
 `diffusion_head`, one tensor-parallel rank of it.
 
     h   = embed(ids)

@@ -55,7 +55,7 @@ class Block:
 
 @dataclass
 class StepCounters:
-    """SPEC.md section 8, counted by the runner."""
+    """docs/spec.md section 8, counted by the runner."""
 
     committed_tokens: int = 0
     denoising_steps: int = 0     # forwards over a canvas that are not commits

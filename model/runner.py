@@ -1,4 +1,4 @@
-"""One rank's executor of batch commands (SPEC.md 1, 3, 4, 5, 6).
+"""One rank's executor of batch commands (docs/spec.md 1, 3, 4, 5, 6).
 
     execute(command): release and admit slots, run exactly `max_steps` steps, copy the results out once
 

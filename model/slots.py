@@ -1,4 +1,4 @@
-"""Per-slot state of one rank's runner (SPEC.md 1): every request's decoding parameters and decoding
+"""Per-slot state of one rank's runner (docs/spec.md 1): every request's decoding parameters and decoding
 state, in slot-indexed device buffers.
 
 The device state is the truth. Phases, lengths, step counters, canvases and reveal-time scores change

@@ -164,7 +164,7 @@ DIFFUSION_GEMMA_TINY_VISION_CONFIG = {  # present in the checkpoint like the rea
 DIFFUSION_GEMMA_SPECIAL_TOKENS = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<start_of_turn>",
                                   5: "<end_of_turn>", 6: "<start_of_image>", 7: "<end_of_image>",
                                   8: "<image_soft_token>"}
-# generation_config.json knobs (SPEC.md 4), in transformers' DiffusionGemmaGenerationConfig spelling
+# generation_config.json knobs (docs/spec.md 4), in transformers' DiffusionGemmaGenerationConfig spelling
 DIFFUSION_GEMMA_TINY_GENERATION = {
     "max_denoising_steps": 12, "t_min": 0.4, "t_max": 0.8, "stability_threshold": 1, "confidence_threshold": 0.005,
     "sampler_config": {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig"},

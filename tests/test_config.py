@@ -1,4 +1,4 @@
-"""config.json / generation_config.json parsing and validation (model/config.py, SPEC.md 2.1)."""
+"""config.json / generation_config.json parsing and validation (model/config.py, docs/spec.md 2.1)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from model.checkpoint import load_model_config, parse_model_config
 from model.families import FAMILIES
 from model.config import NemotronLabsDiffusionConfig, load_generation_defaults
 
-# The published 8B config.json, as quoted in SPEC.md 2.1 (plus its auto_map, which is never run).
+# The published 8B config.json, as quoted in docs/spec.md 2.1 (plus its auto_map, which is never run).
 PUBLISHED_8B = {
     "architectures": ["NemotronLabsDiffusionModel"], "model_type": "nemotron_labs_diffusion",
     "auto_map": {"AutoModel": "modeling_nemotron_labs_diffusion.NemotronLabsDiffusionModel"},

@@ -85,7 +85,7 @@ def test_ar_greedy_equals_transformers_generate(engine, tiny_nemotron):
                                      for b in budgets])
     for p, b, r in zip(prompts, budgets, ours):
         with torch.no_grad():
-            # the mask token is never predicted (SPEC.md 3.1): suppress it in the reference too
+            # the mask token is never predicted (docs/spec.md 3.1): suppress it in the reference too
             out = ref.generate(torch.tensor([p]), max_new_tokens=b, do_sample=False, min_new_tokens=b,
                                suppress_tokens=[100], pad_token_id=0)
         assert r.output == out[0, len(p):].tolist()

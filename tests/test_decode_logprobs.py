@@ -1,4 +1,4 @@
-"""Logprobs semantics of masked diffusion on the tiny checkpoint (SPEC.md 3, 6): every emitted token's
+"""Logprobs semantics of masked diffusion on the tiny checkpoint (docs/spec.md 3, 6): every emitted token's
 score comes from the distribution of the step that revealed it (`log_softmax(filtered logits / T)`,
 greedy T = 1), is captured at reveal time and never rewritten."""
 import pytest

@@ -1,4 +1,4 @@
-"""Schedules, stopping and parameter validation of the engine on the tiny checkpoint (SPEC.md 3, 5, 8)."""
+"""Schedules, stopping and parameter validation of the engine on the tiny checkpoint (docs/spec.md 3, 5, 8)."""
 import math
 import random
 

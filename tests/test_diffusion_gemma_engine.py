@@ -1,5 +1,5 @@
 """DiffusionGemma served by the same engine: generation against transformers' generate, the fixed
-schedule of SPEC.md 8, logprob isolation, TP=2 against TP=1."""
+schedule of docs/spec.md 8, logprob isolation, TP=2 against TP=1."""
 import random
 
 import pytest
@@ -40,7 +40,7 @@ def test_engine_generation_equals_transformers_generate(engine, tiny_gemma, monk
 
 
 def test_fixed_schedule_commits_canvas_over_steps_tokens_per_step(tmp_path):
-    """SPEC.md 8: canvas_length 256, max_denoising_steps 16, confidence_threshold 0 -> exactly 16
+    """docs/spec.md 8: canvas_length 256, max_denoising_steps 16, confidence_threshold 0 -> exactly 16
     committed tokens per denoising step and 16 steps per canvas; no commit forward after the last."""
     from model.tiny import write_diffusion_gemma
 

@@ -1,5 +1,5 @@
 """DiffusionGemma against transformers' own DiffusionGemmaForBlockDiffusion holding the same tiny
-checkpoint (fp32, SPEC.md 2.2 and 4.9): causal prefill / commit logits (the encoder, plus the tied head
+checkpoint (fp32, docs/spec.md 2.2 and 4.9): causal prefill / commit logits (the encoder, plus the tied head
 and softcap) and bidirectional denoise logits (the decoder, with and without self-conditioning, its
 sliding layers windowed from the canvas start), through our per-slot cache and step context; and a
 whole generation against transformers' generate drawing our noise."""

@@ -1,4 +1,4 @@
-"""DiffusionGemma under tensor parallelism on CPU (gloo, SPEC.md 7): the self-conditioning embedding
+"""DiffusionGemma under tensor parallelism on CPU (gloo, docs/spec.md 7): the self-conditioning embedding
 `sum_r P_r W_r = P W` with one all-reduce and nothing vocabulary-wide on any rank; and TP = 2 and 4
 logits, sampler decisions and self-conditioning inputs equal to TP = 1 over a prefill / denoise /
 commit schedule, in fp64 (decisions exact) and in fp32 (as accurate as TP = 1; tests/tp_harness.py

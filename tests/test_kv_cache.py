@@ -1,4 +1,4 @@
-"""The per-slot KV cache across the three step kinds (SPEC.md section 1).
+"""The per-slot KV cache across the three step kinds (docs/spec.md section 1).
 
 A request's life: prefill the prompt; several denoise steps of a canvas whose tokens change between
 steps (masks revealed); commit the finished canvas (causal, same positions); then more canvases.

@@ -67,7 +67,7 @@ def test_logsumexp_and_entropy_do_not_overflow():
     torch.testing.assert_close(R.logsumexp(x, TP1), torch.logsumexp(x, -1))
     p = torch.softmax(x.double(), -1)
     dense = -torch.where(p > 0, p * p.log(), 0).sum(-1).float()
-    # m + log Z - A / Z cancels ~1000 against ~1000 in fp32 (SPEC.md 7's formula): about 1e-4 absolute
+    # m + log Z - A / Z cancels ~1000 against ~1000 in fp32 (docs/spec.md 7's formula): about 1e-4 absolute
     # here; what matters is that nothing overflows to inf / nan
     got = VR.entropy(x, TP1)
     assert torch.isfinite(got).all()

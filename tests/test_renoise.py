@@ -1,4 +1,4 @@
-"""DiffusionGemma's sampler (model/sampling/renoise.py, SPEC.md 4) against transformers'
+"""DiffusionGemma's sampler (model/sampling/renoise.py, docs/spec.md 4) against transformers'
 generation_diffusion_gemma.py: the temperature schedule, entropy-bound acceptance, uniform renoising,
 the stable-and-confident stopping rule and the self-conditioning logits, given the same logits and the
 same random draws (ours fed into the reference in place of torch.multinomial and torch.randint)."""

@@ -1,4 +1,4 @@
-"""Reveal policies of masked diffusion (SPEC.md 3.5-3.7) on hand-made inputs."""
+"""Reveal policies of masked diffusion (docs/spec.md 3.5-3.7) on hand-made inputs."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""Unit tests of the sampling primitives (SPEC.md 3.2-3.3, 6, 7): counter-based noise, temperature and
+"""Unit tests of the sampling primitives (docs/spec.md 3.2-3.3, 6, 7): counter-based noise, temperature and
 top-k / top-p filters at TP=1, and Gumbel-max sampling frequencies. No model is loaded."""
 import math
 

@@ -317,7 +317,7 @@ def test_empty_block_without_scores_is_accepted():
 
 
 def test_request_latencies_follow_its_blocks():
-    """SPEC.md 8 per-request metrics: TTFT, one inter-block latency per block after the first, e2e."""
+    """docs/spec.md 8 per-request metrics: TTFT, one inter-block latency per block after the first, e2e."""
     import time as _time
 
     from model.protocol import Block, Events

@@ -1,4 +1,4 @@
-"""Tensor parallelism on CPU: TP = 2 and 3 ranks (and 4 for the reductions) in separate processes joined by gloo (SPEC.md 7).
+"""Tensor parallelism on CPU: TP = 2 and 3 ranks (and 4 for the reductions) in separate processes joined by gloo (docs/spec.md 7).
 
 One spawn per world size (module fixture) runs every TP check of that world size in its ranks
 (tests/tp_harness.py: tp_worker); the tests here compare what the ranks saved against TP = 1 and

@@ -1,4 +1,4 @@
-"""The sampler statistics (model/sampling/stats.py, SPEC.md 3-4, 7): one pass's partials, combined over
+"""The sampler statistics (model/sampling/stats.py, docs/spec.md 3-4, 7): one pass's partials, combined over
 pieces of the vocabulary, equal dense references; the triton pass (model/kernels/vocab_stats.py),
 run by triton's CPU interpreter, equals the torch pass token for token."""
 import pytest

@@ -111,7 +111,7 @@ def raise_worker(rank: int, world_size: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# How close TP = N comes to TP = 1 (SPEC.md 7): bounds derived from the arithmetic, not picked
+# How close TP = N comes to TP = 1 (docs/spec.md 7): bounds derived from the arithmetic, not picked
 #
 # A rank sums its partial products in another order than TP = 1 does (the row-parallel K split, then
 # gloo's all-reduce), so in fp32 both results carry a rounding error of the same size. The tiny random

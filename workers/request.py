@@ -61,7 +61,7 @@ class Request:
 
     @property
     def latencies(self) -> dict[str, float | list[float] | None]:
-        """SPEC.md section 8, per request: time to first token, inter-token latency per streamed block
+        """docs/spec.md section 8, per request: time to first token, inter-token latency per streamed block
         (the gap before each block after the first), end-to-end latency; seconds."""
         ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
         e2e = None if self.finish_time is None else self.finish_time - self.arrival_time
@@ -81,7 +81,7 @@ class Request:
         return self._output([], [], [], [], [])
 
     def extend(self, block: Block) -> RequestOutput:
-        """Appends a block's tokens up to the first stop id (kept) and within max_tokens (SPEC.md 3, last
+        """Appends a block's tokens up to the first stop id (kept) and within max_tokens (docs/spec.md 3, last
         paragraph); tokens past the cut are dropped together with their scores."""
         assert not self.finished, self.request_id
         tokens = block.tokens[: self.params.max_tokens - len(self.output)]

@@ -73,7 +73,7 @@ class Scheduler:
         self.max_steps_per_command = max_steps_per_command
         self.admission_steps = admission_steps
         self.budget = budget
-        self.counters = StepCounters()   # totals since start (SPEC.md section 8)
+        self.counters = StepCounters()   # totals since start (docs/spec.md section 8)
         self._rng = random.Random(seed)
         self._slots: list[Request | None] = [None] * num_slots
         self._admitted_by = [0] * num_slots   # sequence number of the command that admitted the occupant
@@ -230,7 +230,7 @@ class Scheduler:
 
 
 def derived_metrics(c: StepCounters, wall_time_s: float) -> dict[str, float | None]:
-    """SPEC.md section 8's derived metrics; a ratio whose denominator is 0 is None (undefined, not 0)."""
+    """docs/spec.md section 8's derived metrics; a ratio whose denominator is 0 is None (undefined, not 0)."""
     def ratio(num: float, den: float) -> float | None:
         return num / den if den > 0 else None
 

@@ -1,4 +1,4 @@
-"""Reductions over vocabulary-sharded logits (SPEC.md section 7) that the sampler's filters use
+"""Reductions over vocabulary-sharded logits (docs/spec.md section 7) that the sampler's filters use
 (model/sampling/filters.py); the statistics a step reads come from model/sampling/stats.py.
 
 Every function takes this rank's slice `x: [..., n_r]` of the logits, whose first column is global id

@@ -1,4 +1,4 @@
-"""Temperature and candidate filters on vocabulary-sharded logits (SPEC.md 3.1-3.2), without sorting.
+"""Temperature and candidate filters on vocabulary-sharded logits (docs/spec.md 3.1-3.2), without sorting.
 
 `scaled = logits / T` (T = 1 for greedy rows, so greedy logprobs are those of the model's own
 distribution); top-k and top-p are decided on the values a family decides them on (masked diffusion:
@@ -161,7 +161,7 @@ def torch_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
 def scale_and_filter(logits: torch.Tensor, temperature: torch.Tensor, vocab_start: int, tp: TPGroup,
                      top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None):
     """logits: [R, ..., Vr] fp32; temperature/top_k/top_p: [R]. Returns (unscaled, scaled), both filtered
-    (the dense statement of SPEC.md 3.2 that the sampler's thresholds implement)."""
+    (the dense statement of docs/spec.md 3.2 that the sampler's thresholds implement)."""
     scaled = logits / _rows(torch.where(temperature > 0, temperature, 1.0), logits)
     if top_k is None and top_p is None:
         return logits, scaled

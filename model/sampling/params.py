@@ -1,4 +1,4 @@
-"""Per-request decoding parameters (SPEC.md sections 3, 5 and 6), validated once at the boundary.
+"""Per-request decoding parameters (docs/spec.md sections 3, 5 and 6), validated once at the boundary.
 
 Errors name the parameter: pydantic's ValidationError carries the field as its `loc` (a cross-field
 conflict: the later field, its message naming both). Every value means in the shards' int64 / fp32
@@ -57,7 +57,7 @@ class DecodeParams(BaseModel):
                                         "generation_config.json)")
     max_denoising_steps: int | None = Field(None, ge=1, le=MAX_COUNT, description="N; None: the canvas length "
                                             "(masked diffusion) or generation_config.json (DiffusionGemma)")
-    # DiffusionGemma's renoise sampler (SPEC.md 4); None: the checkpoint's generation_config.json
+    # DiffusionGemma's renoise sampler (docs/spec.md 4); None: the checkpoint's generation_config.json
     t_min: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     t_max: float | None = Field(None, gt=0, le=MAX_TEMPERATURE)
     stability_threshold: int | None = Field(None, ge=0, le=MAX_COUNT)
@@ -127,7 +127,7 @@ class DecodeParams(BaseModel):
 
     @property
     def reveal_entropy_bound(self) -> float:
-        """gamma of the masked-diffusion entropy_bound reveal policy (SPEC.md 3.5)."""
+        """gamma of the masked-diffusion entropy_bound reveal policy (docs/spec.md 3.5)."""
         return 0.1 if self.entropy_bound is None else self.entropy_bound
 
     def steps_for(self, canvas_length: int) -> int:

@@ -1,4 +1,4 @@
-"""Uniform-noise diffusion with self-conditioning: DiffusionGemma's sampler (SPEC.md 4), on
+"""Uniform-noise diffusion with self-conditioning: DiffusionGemma's sampler (docs/spec.md 4), on
 vocabulary-sharded logits, following transformers' generation_diffusion_gemma.py.
 
 Per denoise step n of N, for R rows of [C] canvas positions (u: the softcapped logits):

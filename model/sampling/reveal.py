@@ -1,4 +1,4 @@
-"""Reveal policies of masked diffusion (SPEC.md 3.5): which masked canvas positions take their
+"""Reveal policies of masked diffusion (docs/spec.md 3.5): which masked canvas positions take their
 candidate token this step. Each policy is one function over a batch of rows, registered by name.
 
 Inputs per row r and canvas position i: masked [R, C] bool; confidence [R, C] (log p of the

@@ -1,5 +1,5 @@
 """Per-position statistics of vocabulary-sharded logits, in one pass over each rank's slice
-(SPEC.md 3.1-3.4, 4.1-4.4, 6, 7): everything a denoise, commit, draft, verify or AR decision reads.
+(docs/spec.md 3.1-3.4, 4.1-4.4, 6, 7): everything a denoise, commit, draft, verify or AR decision reads.
 
 For R rows of P positions and this rank's slice x [R, P, V_r] of the raw LM-head output (any dtype):
 

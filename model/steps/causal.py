@@ -1,4 +1,4 @@
-"""Next-token steps (SPEC.md 1, 5): the prefill of newly admitted slots and AR rows, and what every
+"""Next-token steps (docs/spec.md 1, 5): the prefill of newly admitted slots and AR rows, and what every
 causal pass's last prediction starts — the seed of a masked canvas (the family's canvas step starts it),
 the first draft's seed of linear speculation, or an emitted AR token.
 
@@ -64,7 +64,7 @@ class CausalSteps:
         env.outputs.add_counters(committed_tokens=count.sum())
 
     def ar_step(self, plan: RowPlan, idx: torch.Tensor, scored: torch.Tensor) -> None:
-        """One token for every AR row (SPEC.md 5): feed the last token, sample the next at the row's temperature."""
+        """One token for every AR row (docs/spec.md 5): feed the last token, sample the next at the row's temperature."""
         env, t = self.env, self.env.slots
         phase = t.phase[idx]
         live = phase == AR

@@ -86,7 +86,7 @@ class CanvasStep(Protocol):
     for every row at once."""
 
     # whether a new canvas starts from the preceding causal pass's prediction (masked diffusion's seeded
-    # position 0, SPEC.md 3(a)); uniform noise needs none, and its prefill computes no logits
+    # position 0, docs/spec.md 3(a)); uniform noise needs none, and its prefill computes no logits
     needs_prediction: bool
 
     def __init__(self, env: StepEnv) -> None: ...

@@ -1,9 +1,9 @@
-"""Canvas-wide rows of masked diffusion (SPEC.md 3: denoise, commit) and linear speculation (SPEC.md 5:
+"""Canvas-wide rows of masked diffusion (docs/spec.md 3: denoise, commit) and linear speculation (docs/spec.md 5:
 draft, verify), for Nemotron-Labs-Diffusion: one forward over every row's canvas, causal for commit and
 verify rows, then every phase's decisions computed for all rows and kept where the row is in that phase.
 Device ops only: a step reads its rows' phases on the device, so several run without the host.
 
-AR rows (SPEC.md 5) may ride along (the runner decides, model/runner.py): a causal row whose position 0
+AR rows (docs/spec.md 5) may ride along (the runner decides, model/runner.py): a causal row whose position 0
 is its last token, so that a batch of canvas and AR rows reads the weights once a step, not twice.
 Position 0 attends to the same keys as the AR step's one-token row, and its noise is keyed by position
 (model/sampling/noise.py), so it samples the token the AR step would; positions 1.. are computed and
@@ -56,7 +56,7 @@ class MaskedCanvasStep:
         pass   # every parameter masked diffusion reads is in the slot table
 
     def start(self, idx: torch.Tensor, where: torch.Tensor, prediction: torch.Tensor) -> None:
-        """Rows idx where `where`: a masked canvas, position 0 the prediction if the row seeds it (SPEC.md 3(a))."""
+        """Rows idx where `where`: a masked canvas, position 0 the prediction if the row seeds it (docs/spec.md 3(a))."""
         t, C, MASK = self.env.slots, self.env.C, self.env.mask_id
         fresh = torch.full((len(idx), C), MASK, dtype=torch.int64, device=idx.device)
         fresh[:, 0] = torch.where(t.seed_first[idx], prediction, MASK)
@@ -87,7 +87,7 @@ class MaskedCanvasStep:
         is_draft, is_verify, is_ar = phase == DRAFT, phase == VERIFY, phase == AR
         live = phase != DONE
 
-        # denoise: reveal candidates by the row's policy (SPEC.md 3.3-3.7)
+        # denoise: reveal candidates by the row's policy (docs/spec.md 3.3-3.7)
         masked = canvas == MASK
         confidence = torch.where(masked, st.x_sample - st.lse_u, -torch.inf)
         N = t.steps_limit[idx]
@@ -130,7 +130,7 @@ class MaskedCanvasStep:
         r.outputs.emit(idx, block, count, (is_commit | is_verify).long(),
                        torch.where(is_commit, n, is_verify.long()), block_scores, scored)
 
-        # the next canvas after a commit: the prediction at position 0 if the row seeds it (SPEC.md 3(a))
+        # the next canvas after a commit: the prediction at position 0 if the row seeds it (docs/spec.md 3(a))
         fresh = torch.full_like(canvas, MASK)
         fresh[:, 0] = torch.where(t.seed_first[idx], next_token, MASK)
         draft = torch.cat([t.last_token[idx][:, None], pred[:, 1:]], 1)
@@ -158,7 +158,7 @@ class MaskedCanvasStep:
     def _block_scores(self, slots: torch.Tensor, is_commit: torch.Tensor, is_ar: torch.Tensor, scores: Scores,
                       k: int) -> Scores:
         """A commit emits the canvas's reveal-time scores; a verify emits the seed's score, then the causal
-        scores of the draft's positions j >= 1, predicted at j - 1; an AR row its position 0's (SPEC.md 6)."""
+        scores of the draft's positions j >= 1, predicted at j - 1; an AR row its position 0's (docs/spec.md 6)."""
         t = self.env.slots
         canvas = t.canvas_scores.read(slots, k)
         seed = t.seed_scores.read(slots, k)

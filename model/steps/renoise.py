@@ -1,4 +1,4 @@
-"""Canvas-wide rows of uniform-noise diffusion with self-conditioning (SPEC.md 4, DiffusionGemma), and
+"""Canvas-wide rows of uniform-noise diffusion with self-conditioning (docs/spec.md 4, DiffusionGemma), and
 the per-slot state only that family has: the previous argmax canvas and stability run, the next step's
 self-conditioning signal, and each request's schedule knobs.
 
@@ -97,7 +97,7 @@ class RenoiseCanvasStep:
             softcap=r.model.logit_softcap, passes=r.sampler.passes, probs_dtype=self.soft.dtype)
         r.observe("before", "canvas", idx, x)
         scores = None
-        if plan.scored:   # the converged step's distribution scores the committed argmax tokens (SPEC.md 6):
+        if plan.scored:   # the converged step's distribution scores the committed argmax tokens (docs/spec.md 6):
             # only a row converging now keeps its scores, so only those read the vocabulary for them
             x_tok = value_at(x[scored], step.argmax[scored], r.model.vocab_start, r.tp)
             scores = r.sampler.scores(x, step.stats, x_tok, scored, plan.top_logprobs, idx,

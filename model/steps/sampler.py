@@ -1,7 +1,7 @@
 """The sampler every step kind shares: statistics of its rows' logits (model.sampling.stats), the
 candidate filters that feed them, and reveal-time scores for the rows that asked.
 
-Filters (SPEC.md 3.2; DiffusionGemma: on the softcapped logits before the temperature, as transformers'
+Filters (docs/spec.md 3.2; DiffusionGemma: on the softcapped logits before the temperature, as transformers'
 logits processors) become one threshold per position, kept iff value >= threshold (-inf for rows that
 ask none); they, and scores, cost passes over the logits only in plans whose rows ask (model/steps/plan.py),
 and in a CUDA graph's plan, which always has them, the kernels skip the rows that did not ask.
@@ -52,7 +52,7 @@ class RowSampler:
 
     def scores(self, x: torch.Tensor, stats: S.VocabStats, x_tok: torch.Tensor, rows: torch.Tensor,
                k: int, idx: torch.Tensor, needed: torch.Tensor | None = None) -> Scores:
-        """Scores (SPEC.md 6) for the scored rows `rows` [B'] (of the step's rows idx) of the tokens whose raw
+        """Scores (docs/spec.md 6) for the scored rows `rows` [B'] (of the step's rows idx) of the tokens whose raw
         logits are x_tok [B', P]: logprob under softmax(s), rank = 1 + entries with a larger logit, and the
         top k alternatives. A row whose request asked no scores (in a graph's plan, which scores every row),
         or where `needed` [B'] is False, gets none computed: its values mean nothing and nothing reads them."""
