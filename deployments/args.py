@@ -6,18 +6,22 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, create_model, model_validator
 
-from model.sampling.params import Mode, RevealPolicy
+from model.sampling.params import DecodeParams, settable_fields
 from workers.scheduler import ADMISSION_STEPS
 
 BATCH_INVARIANT_NEEDS_CUDA = "batch_invariant=true needs device=cuda (its fixed-order kernels are triton's)"
 DEFAULT_MODEL_CACHE = Path(os.environ.get("DLLM_CACHE", Path.home() / ".cache" / "dllm-serve"))
 
 
-class AppArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+# The server-wide decoding defaults, overridable per request (`diffusion` object): DecodeParams' fields
+# marked SERVER_DEFAULT, with its defaults, bounds and descriptions.
+ServerDecodeDefaults = create_model("ServerDecodeDefaults", __config__=ConfigDict(extra="forbid", frozen=True),
+                                    **settable_fields(server=True))
 
+
+class AppArgs(ServerDecodeDefaults):
     model: str | None = Field(None, description="checkpoint directory; default: a tiny model made on first use")
     served_model_name: str | None = None
     tensor_parallel_size: int = Field(1, ge=1)
@@ -70,22 +74,11 @@ class AppArgs(BaseModel):
     # replica that is still pending or warming up waits this long too.
     drain_timeout_s: float = Field(20.0, ge=0)
     command_timeout_s: float = Field(120.0, gt=0)
-    # server-wide decoding defaults, overridable per request (`diffusion` object)
-    mode: Mode = "diffusion"
-    policy: RevealPolicy = "threshold"
-    threshold: float = Field(0.9, gt=0, le=1)
-    entropy_bound: float | None = Field(None, gt=0, description="None: 0.1, or DiffusionGemma's generation_config")
-    max_denoising_steps: int | None = Field(None, ge=1)
     # A request's work is bounded by max_model_len (its canvases) times its steps per canvas, which
     # masked diffusion caps at the canvas length and DiffusionGemma does not: without this bound one
     # request could hold a slot until request_timeout_s and end in a 503 instead of a 400.
     denoising_steps_limit: int = Field(1024, ge=1, description="the most denoising steps per canvas a request "
                                        "may set (diffusion.max_denoising_steps; a 400 beyond)")
-    # DiffusionGemma's renoise sampler; None: the checkpoint's generation_config.json
-    t_min: float | None = Field(None, ge=0)
-    t_max: float | None = Field(None, gt=0)
-    stability_threshold: int | None = Field(None, ge=0)
-    confidence_threshold: float | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _invariance_needs_cuda(self) -> "AppArgs":
@@ -110,6 +103,12 @@ class AppArgs(BaseModel):
         if config.min_replicas < 1:
             raise ValueError("autoscaling_config.min_replicas must be at least 1: while no replica is ready "
                              "the ingress answers 503 at once, so no request would wake one")
+        return self
+
+    @model_validator(mode="after")
+    def _defaults_the_engine_takes(self) -> "AppArgs":
+        # DecodeParams' cross-field checks (t_max > t_min in fp32, ...) at deploy, not in every request's 400
+        DecodeParams(**{k: v for k, v in self.decode_defaults().items() if v is not None})
         return self
 
     @model_validator(mode="after")
@@ -144,10 +143,7 @@ class AppArgs(BaseModel):
                     overlap_commands=self.overlap_commands, admission_steps=self.admission_steps)
 
     def decode_defaults(self) -> dict:
-        return {"mode": self.mode, "policy": self.policy, "threshold": self.threshold,
-                "entropy_bound": self.entropy_bound, "max_denoising_steps": self.max_denoising_steps,
-                "t_min": self.t_min, "t_max": self.t_max, "stability_threshold": self.stability_threshold,
-                "confidence_threshold": self.confidence_threshold}
+        return {name: getattr(self, name) for name in ServerDecodeDefaults.model_fields}
 
 
 def default_model_dir() -> Path:

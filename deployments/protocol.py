@@ -17,11 +17,12 @@ import time
 import uuid
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import model_serializer
 from pydantic import Discriminator, Tag, ValidationInfo, model_validator
 
 from deployments.errors import validation_error_param
-from model.sampling.params import MAX_LOGPROBS, DecodeParams, Mode, ParamError, RevealPolicy
+from model.sampling.params import MAX_LOGPROBS, DecodeParams, ParamError, settable_fields
 
 # ----------------------------------------------------------------------------------------- requests
 
@@ -46,24 +47,9 @@ class _Strict(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
-class DiffusionOptions(_Strict):
-    """Per-request overrides of the server's diffusion defaults (docs/spec.md sections 3 and 5)."""
-
-    mode: Mode | None = None
-    policy: RevealPolicy | None = None
-    threshold: float | None = Field(None, gt=0, le=1)
-    entropy_bound: float | None = Field(None, gt=0)
-    max_denoising_steps: int | None = Field(None, ge=1)
-    seed_first_position: bool | None = None
-    eos_early_stop: bool | None = None
-    # DiffusionGemma's renoise sampler (docs/spec.md 4); unset: the checkpoint's generation_config.json
-    t_min: float | None = Field(None, ge=0)
-    t_max: float | None = Field(None, gt=0)
-    stability_threshold: int | None = Field(None, ge=0)
-    confidence_threshold: float | None = Field(None, ge=0)
-    # provisional streaming: snapshots of the canvas being denoised, every draft_every denoising steps
-    stream_drafts: bool | None = None
-    draft_every: int | None = Field(None, ge=1)
+# Per-request overrides of the server's diffusion defaults (docs/spec.md sections 3-5): the Settable
+# fields of DecodeParams, each optional, with DecodeParams' own bounds and descriptions.
+DiffusionOptions = create_model("DiffusionOptions", __base__=_Strict, **settable_fields())
 
 
 class StreamOptions(_Strict):

@@ -167,10 +167,45 @@ def test_decode_params_errors_name_the_fields():
     ({"diffusion": {"t_max": 1e3}}, "diffusion.t_max"),
 ])
 def test_values_the_engine_cannot_hold_are_errors_naming_the_field(extra, param):
-    """Every DecodeParams value means in the shards' fp32 / int64 tensors what it means here."""
-    with pytest.raises(ParamError) as info:
+    """Every DecodeParams value means in the shards' fp32 / int64 tensors what it means here: refused by
+    the wire model (its bounds are DecodeParams') or by decode_params' cross-field checks, either a 400
+    naming the field."""
+    try:
         CompletionRequest.model_validate(COMPLETION | extra).decode_params(DEFAULTS, ROOM)
-    assert info.value.param == param, info.value
+    except ValidationError as err:
+        assert validation_error_param(err)[1] == param, err
+    except ParamError as err:
+        assert err.param == param, err
+    else:
+        pytest.fail(f"{extra} was taken")
+
+
+def test_the_diffusion_object_and_the_server_defaults_are_declared_by_decode_params():
+    """One declaration: the wire's `diffusion` fields and AppArgs' decoding defaults have DecodeParams'
+    types, bounds and descriptions (the wire's optional), so none can drift from the engine's."""
+    from deployments.args import AppArgs
+    from deployments.protocol import DiffusionOptions
+    from model.sampling.params import DecodeParams
+
+    engine = DecodeParams.model_json_schema()["properties"]
+    wire = DiffusionOptions.model_json_schema()["properties"]
+    server = AppArgs.model_json_schema()["properties"]
+    assert {"mode", "policy", "threshold", "entropy_bound", "seed_first_position", "draft_every"} <= set(wire)
+    assert {"mode", "threshold", "entropy_bound", "t_min", "max_denoising_steps"} <= set(server)
+    assert "draft_every" not in server and "temperature" not in wire   # per request only; top-level OpenAI field
+
+    def bounds(prop):
+        kinds = prop.get("anyOf", [prop])
+        return [{k: v for k, v in kind.items() if k not in ("title", "default", "description")} for kind in kinds
+                if kind.get("type") != "null"], prop.get("description")
+
+    for name in wire:
+        assert bounds(wire[name]) == bounds(engine[name]), name
+    for name in set(server) & set(engine):
+        assert bounds(server[name]) == bounds(engine[name]) and server[name].get("default") == \
+            engine[name].get("default"), name
+    with pytest.raises(ValidationError, match="t_max"):   # DecodeParams' cross-field check, at deploy
+        AppArgs(t_min=0.5, t_max=0.5)
 
 
 def test_a_silent_max_tokens_takes_the_default_of_its_kind_and_mode():

@@ -1,4 +1,6 @@
-"""Per-request decoding parameters (docs/spec.md sections 3, 5 and 6), validated once at the boundary.
+"""Per-request decoding parameters (docs/spec.md sections 3, 5 and 6): the one declaration of every
+decoding option. A field marked `Settable` is also set by a request's `diffusion` object and/or the
+server's arguments; both derive their fields from here (`settable_fields`), so bounds cannot drift.
 
 Errors name the parameter: pydantic's ValidationError carries the field as its `loc` (a cross-field
 conflict: the later field, its message naming both). Every value means in the shards' int64 / fp32
@@ -9,9 +11,11 @@ request in the batch.
 from __future__ import annotations
 
 import struct
-from typing import Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic.fields import FieldInfo
 
 Mode = Literal["diffusion", "ar", "linear_spec"]
 RevealPolicy = Literal["threshold", "low_confidence", "leftmost", "entropy_bound"]
@@ -35,6 +39,18 @@ class ParamError(ValueError):
         self.message, self.param = message, param
 
 
+@dataclass(frozen=True)
+class Settable:
+    """Who sets a DecodeParams field besides the engine: a request's `diffusion` object (deployments/
+    protocol.py) and, with `server`, the server's arguments (deployments/args.py), as its default."""
+
+    server: bool = False
+
+
+PER_REQUEST = Settable()          # the request's `diffusion` object
+SERVER_DEFAULT = Settable(True)   # that, and a server-wide default
+
+
 def fp32(x: float) -> float:
     """x as an fp32 tensor holds it (|x| within fp32's range)."""
     return struct.unpack("f", struct.pack("f", x))[0]
@@ -43,34 +59,41 @@ def fp32(x: float) -> float:
 class DecodeParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    mode: Mode = "diffusion"
+    mode: Annotated[Mode, SERVER_DEFAULT] = Field("diffusion", description="diffusion (default), ar (causal "
+                                                  "decoding with the same weights), or linear_spec (greedy)")
     top_k: int = Field(0, ge=0, le=MAX_COUNT, description="0 disables")
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**63)
     max_tokens: int = Field(16, ge=1)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    policy: RevealPolicy = "threshold"
-    threshold: float = Field(0.9, gt=0, le=1, description="tau of the threshold policy")
-    entropy_bound: float | None = Field(None, gt=0, le=MAX_ENTROPY, description="gamma: the entropy_bound "
-                                        "policy (default 0.1), or DiffusionGemma's acceptance bound (default: "
-                                        "generation_config.json)")
-    max_denoising_steps: int | None = Field(None, ge=1, le=MAX_COUNT, description="N; None: the canvas length "
-                                            "(masked diffusion) or generation_config.json (DiffusionGemma)")
+    policy: Annotated[RevealPolicy, SERVER_DEFAULT] = Field("threshold", description="which masked positions a "
+                                                            "denoising step reveals")
+    threshold: Annotated[float, SERVER_DEFAULT] = Field(0.9, gt=0, le=1, description="tau of the threshold policy")
+    entropy_bound: Annotated[float | None, SERVER_DEFAULT] = Field(
+        None, gt=0, le=MAX_ENTROPY, description="gamma: the entropy_bound policy (default 0.1), or DiffusionGemma's "
+        "acceptance bound (default: generation_config.json)")
+    max_denoising_steps: Annotated[int | None, SERVER_DEFAULT] = Field(
+        None, ge=1, le=MAX_COUNT, description="N; None: the canvas length (masked diffusion) or "
+        "generation_config.json (DiffusionGemma)")
     # DiffusionGemma's renoise sampler (docs/spec.md 4); None: the checkpoint's generation_config.json
-    t_min: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
-    t_max: float | None = Field(None, gt=0, le=MAX_TEMPERATURE)
-    stability_threshold: int | None = Field(None, ge=0, le=MAX_COUNT)
-    confidence_threshold: float | None = Field(None, ge=0, le=MAX_ENTROPY)
+    t_min: Annotated[float | None, SERVER_DEFAULT] = Field(None, ge=0, le=MAX_TEMPERATURE)
+    t_max: Annotated[float | None, SERVER_DEFAULT] = Field(None, gt=0, le=MAX_TEMPERATURE)
+    stability_threshold: Annotated[int | None, SERVER_DEFAULT] = Field(None, ge=0, le=MAX_COUNT)
+    confidence_threshold: Annotated[float | None, SERVER_DEFAULT] = Field(None, ge=0, le=MAX_ENTROPY)
     # None: 0 (greedy) for linear_spec, which is greedy by definition; 1.0 otherwise (OpenAI's default).
     # A uniform-noise family scales its schedule by it (schedule_scale). Declared after t_min and t_max,
     # so that its check sees them.
     temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    seed_first_position: bool = Field(True, description="SPEC 3(a): canvas position 0 from the AR prediction")
-    eos_early_stop: bool = Field(True, description="SPEC 3(b): stop denoising at an EOS with no mask before it")
-    stream_drafts: bool = Field(False, description="snapshot the canvas being denoised every draft_every steps")
-    draft_every: int = Field(4, ge=1, description="denoising steps between two drafts of a canvas")
+    seed_first_position: Annotated[bool, PER_REQUEST] = Field(
+        True, description="docs/spec.md 3(a): canvas position 0 from the AR prediction")
+    eos_early_stop: Annotated[bool, PER_REQUEST] = Field(
+        True, description="docs/spec.md 3(b): stop denoising at an EOS with no mask before it")
+    stream_drafts: Annotated[bool, PER_REQUEST] = Field(
+        False, description="snapshot the canvas being denoised every draft_every steps")
+    draft_every: Annotated[int, PER_REQUEST] = Field(4, ge=1, description="denoising steps between two drafts of "
+                                                     "a canvas")
 
     @field_validator(*FLOAT_FIELDS)
     @classmethod
@@ -133,3 +156,22 @@ class DecodeParams(BaseModel):
     def steps_for(self, canvas_length: int) -> int:
         """N for this request's canvases."""
         return min(self.max_denoising_steps or canvas_length, canvas_length)
+
+
+def settable_fields(server: bool = False) -> dict[str, tuple[Any, FieldInfo]]:
+    """`create_model` field definitions of the Settable fields, in declaration order: with `server`, the
+    server-default ones with their defaults; else every one, optional (None: not given), for a request's
+    `diffusion` object. Types, bounds and descriptions are DecodeParams'; its cross-field checks run when
+    the values reach DecodeParams."""
+    fields = {}
+    for name, info in DecodeParams.model_fields.items():
+        settable = [m for m in info.metadata if isinstance(m, Settable)]
+        if not settable or (server and not settable[0].server):
+            continue
+        bounds = [m for m in info.metadata if not isinstance(m, Settable)]
+        constrained = Annotated[(info.annotation, *bounds)] if bounds else info.annotation
+        if server:
+            fields[name] = (constrained, Field(info.default, description=info.description))
+        else:
+            fields[name] = (Optional[constrained], Field(None, description=info.description))
+    return fields
