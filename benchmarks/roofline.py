@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import tp_bench
+from benchmarks import results, tp_bench
 from benchmarks.shapes import write_diffusion_gemma_shapes, write_fp8_dynamic, write_shapes
 from model.checkpoint import RunnerArgs
 from model.parallel.group import TPGroup
@@ -459,6 +459,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "roofline.json")
     parser.add_argument("--work", type=Path, default=Path("/tmp/dllm-bench"))
+    parser.add_argument("--results-dir", type=results.directory, default=results.DEFAULT_DIR,
+                        help="where the result file goes (benchmarks/results.py; default: $OUT where set, else "
+                             "benchmarks/results); '' writes none")
     parser.add_argument("--skip", default="", help="comma list of: served, transformers, profile, invariant, "
                                                    "traffic, fp8, tp, nemotron, gemma (a family's traffic too), "
                                                    "bf16 (the families' BF16 sections; FP8's BF16 twins still run)")
@@ -496,6 +499,67 @@ def main() -> None:
     print(json.dumps(result, indent=2, default=str))
     print(summary(result))
     args.out.write_text(json.dumps(result, indent=2, default=str))
+    if args.results_dir is not None:
+        results.write(figures(result), "roofline", card=result["device"], results_dir=args.results_dir)
+
+
+MODELS = {"nemotron": "nemotron-ld-8b", "gemma": "diffusion-gemma-26b-a4b"}
+BATCH = {"nemotron": "b", "gemma": "c"}   # requests of one canvas each / canvases
+
+
+def figures(r: dict) -> dict[str, float | None]:
+    """A result file's figures (benchmarks/results.py) under stable names: `<section>.<model>.<figure>`,
+    step times in ms, a batch as b<requests> or c<canvases>; traffic's as benchmarks/traffic.py names them."""
+    from benchmarks import traffic
+
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else seconds * 1e3
+
+    out = {"copy_bandwidth_tb_s": r["copy_bandwidth_bytes_per_s"] / 1e12}
+    if nl := r.get("nemotron_8b"):
+        m = f"bf16.{MODELS['nemotron']}"
+        for b in (1, 16):
+            out[f"{m}.step_ms.b{b}"] = ms(nl[f"batch{b}"]["steady_step_s"])
+            out[f"{m}.tok_s.b{b}"] = nl[f"batch{b}"]["tok_per_s"]
+        out |= {f"{m}.floor_ms": ms(nl["floor_s"]), f"{m}.P1": r.get("P1_nemotron"), f"{m}.P4": r.get("P4")}
+        inv, m = nl.get("batch_invariant") or {}, f"batch_invariant.{MODELS['nemotron']}"
+        for b in (1, 16):
+            if f"batch{b}" in inv:
+                out[f"{m}.step_ms.b{b}"] = ms(inv[f"batch{b}"]["steady_step_s"])
+                out[f"{m}.over_default.b{b}"] = r["BI_nemotron"][b]
+        if "served" in nl:
+            m = f"served.{MODELS['nemotron']}"
+            out |= {f"{m}.steps_per_s": nl["served"]["denoising_steps_per_s"],
+                    f"{m}.bare_steps_per_s": nl["batch1"]["denoising_steps_per_s"], f"{m}.P2": r.get("P2")}
+    if dg := r.get("diffusion_gemma_26b"):
+        m, steady = f"bf16.{MODELS['gemma']}", dg["steady_step_s"]
+        out |= {f"{m}.step_ms.c1": ms(statistics.median(steady["with_self_conditioning"])),
+                f"{m}.step_ms_without_self_conditioning.c1": ms(statistics.median(steady["without_self_conditioning"])),
+                f"{m}.SC": r.get("SC"), f"{m}.floor_ms": ms(dg["floor_s"]), f"{m}.P1": r.get("P1_diffusion_gemma")}
+        for n in (256, 768):
+            out[f"{m}.tok_s.n{n}"] = dg["ours"][n]["tok_per_s"]
+            if "transformers" in dg:
+                out[f"transformers.{MODELS['gemma']}.tok_s.n{n}"] = dg["transformers"][n]["tok_per_s"]
+                out[f"{m}.over_transformers.n{n}"] = r["P3"][n]
+        if "batch_invariant_steady_step_s" in dg:
+            m = f"batch_invariant.{MODELS['gemma']}"
+            out[f"{m}.step_ms.c1"] = ms(statistics.median(dg["batch_invariant_steady_step_s"]))
+            out[f"{m}.over_default.c1"] = r.get("BI_diffusion_gemma")
+    for family, rows in (r.get("fp8") or {}).items():
+        m, x = f"fp8.{MODELS[family]}", BATCH[family]
+        fp8, bf16 = rows.get("fp8") or {}, rows.get("bf16") or {}
+        out |= {f"{m}.floor_ms": ms(fp8.get("floor_s")), f"{m}.P1": fp8.get("P1"), f"{m}.bf16_P1": bf16.get("P1")}
+        for b, ratio in (r.get(f"FP8_{family}") or {}).items():
+            out |= {f"{m}.step_ms.{x}{b}": ms(fp8[f"batch{b}_step_s"]),
+                    f"{m}.bf16_step_ms.{x}{b}": ms(bf16[f"batch{b}_step_s"]), f"{m}.over_bf16.{x}{b}": ratio}
+    for family, speedups in tp_bench.speedups(r.get("P5") or {}).items():
+        m, x = f"tp.{MODELS[family]}", BATCH[family]
+        out |= {f"{m}.tp1_over_tp{tp_bench.TP}.{x}{b}": v for b, v in speedups.items()}
+        out[f"{m}.allreduce_share"] = r["P5"][family].get("allreduce_share")
+    for measured in (r.get("traffic") or {}).values():
+        if "error" not in measured:
+            out |= traffic.figures(measured)
+    return out
 
 
 def summary(r: dict) -> str:

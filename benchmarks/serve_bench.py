@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from datetime import datetime
@@ -90,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--save-result", type=Path, help="write the results of every run as JSON here")
     p.add_argument("--plot", type=Path, help="PNG of the sweep (default: the --save-result path with .png)")
+    p.add_argument("--results-dir", type=Path, help="also write the figures as a result file there "
+                   "(benchmarks/results.py; e.g. benchmarks/results): of this checkout's commit on --card")
+    p.add_argument("--card", help="the server's device, named in the result file (default: this machine's, "
+                                  "right for a local server)")
     p.add_argument("--disable-tqdm", action="store_true")
     args = p.parse_args(argv)
     if args.mix is not None:
@@ -293,6 +298,18 @@ async def bench(args: argparse.Namespace) -> dict:
             "runs": summaries}
 
 
+def figures(result: dict) -> dict[str, float | None]:
+    """A result file's figures (benchmarks/results.py): `serve_bench.<model>.c<concurrency>.<figure>`,
+    each level's throughputs, latency statistics and committed tokens per denoising step."""
+    out = {}
+    for run in result["runs"]:
+        level = f"serve_bench.{result['model']}.c{run['max_concurrency'] or 'all'}"
+        out |= {f"{level}.{k}": v for k, v in run.items()
+                if k in ("request_throughput", "output_throughput") or re.fullmatch(r"(mean|median|p[\d.]+)_\w+_ms", k)}
+        out[f"{level}.committed_per_step"] = (run["diffusion"] or {}).get("committed_per_step")
+    return out
+
+
 def json_safe(obj):
     """JSON has no Infinity: an infinite request rate is written as the string "inf"."""
     if isinstance(obj, float) and not math.isfinite(obj):
@@ -311,6 +328,10 @@ def main(argv: list[str] | None = None) -> dict:
         args.save_result.parent.mkdir(parents=True, exist_ok=True)
         args.save_result.write_text(json.dumps(json_safe(result), indent=1, allow_nan=False))
         print(f"Results: {args.save_result}")
+    if args.results_dir is not None:
+        from benchmarks import results
+
+        results.write(figures(result), "serve_bench", card=args.card, results_dir=args.results_dir)
     if args.plot is not None:
         try:
             from benchmarks.bench_plot import plot_sweep

@@ -107,8 +107,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tflops", type=float, default=H200_TFLOPS, help="dense bf16 TFLOP/s (FP8: twice)")
     ap.add_argument("--tbps", type=float, default=H200_TBPS, help="memory bandwidth, TB/s")
     ap.add_argument("--keys", type=int, default=2048, help="keys a row reads (prompt + what it has generated)")
+    ap.add_argument("--results-dir", type=Path, help="also write the bounds as a result file there "
+                                                     "(benchmarks/results.py; e.g. benchmarks/results)")
     args = ap.parse_args(argv)
-    for family, batches in (("nemotron-ld", (1, 4, 8, 16)), ("diffusion-gemma", (1, 2, 4, 8))):
+    figures = {}
+    for family, batches, model, x in (("nemotron-ld", (1, 4, 8, 16), "nemotron-ld-8b", "b"),
+                                      ("diffusion-gemma", (1, 2, 4, 8), "diffusion-gemma-26b-a4b", "c")):
         shape = shape_of(family)
         for fp8 in (False, True):
             one = bound(shape, 1, args.keys, fp8, args.tflops, args.tbps)["step"]
@@ -119,6 +123,14 @@ def main(argv: list[str] | None = None) -> None:
                 split = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in p.items() if k != "step")
                 print(f"  {b:2d} rows: step >= {p['step'] * 1e3:6.2f} ms ({split}); "
                       f"at most {b * one / p['step']:.2f}x one row's throughput")
+                name = f"step_bound.{model}.{'fp8' if fp8 else 'bf16'}"
+                figures |= {f"{name}.step_ms.{x}{b}": p["step"] * 1e3, f"{name}.gain.{x}{b}": b * one / p["step"]}
+    if args.results_dir is not None:
+        from benchmarks import results
+
+        results.write(figures, "step_bound", card=f"modelled: {args.tbps:g} TB/s, {args.tflops:g} TFLOP/s BF16",
+                      command=f"python -m benchmarks.step_bound --tflops {args.tflops:g} --tbps {args.tbps:g} "
+                              f"--keys {args.keys}", results_dir=args.results_dir)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from benchmarks import results
 from benchmarks.bench_prompts import FALLBACK_VOCAB, token_id_prompts
 from benchmarks.request_mix import NAMES, Draw, MixError, load_mix
 from benchmarks.serve_bench import json_safe, request_body, run_level
@@ -121,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after the phases, start the server again on the caches the first start filled")
     p.add_argument("--out", type=Path, help="the JSON (default: $OUT or . / traffic-FAMILY.json)")
     p.add_argument("--log", type=Path, help="the server's log (default: beside --out, -server.log)")
+    p.add_argument("--results-dir", type=results.directory, default=results.DEFAULT_DIR,
+                   help="where the result file goes (benchmarks/results.py; default: $OUT where set, else "
+                        "benchmarks/results); '' writes none")
     p.add_argument("--progress", action="store_true", help="progress bars on stderr")
     opts = p.parse_args(argv)
     opts.mix = opts.mix or opts.family
@@ -430,6 +434,24 @@ def _fmt(value) -> str:
     return f"{value:.3f}" if isinstance(value, float) and not float(value).is_integer() else f"{value:.0f}"
 
 
+def figures(result: dict) -> dict[str, float | None]:
+    """The result's figures under stable names for a result file (benchmarks/results.py):
+    `traffic.<served model>.<row>`, a phase's or a level's as `.<phase>` or `.c<concurrency>`."""
+    r, cold, warm = result["rows"] or {}, result["cold_start"] or {}, result.get("warm_start") or {}
+    out = {"cold_start_health_200_s": cold.get("health_200_s"),
+           "cold_start_first_completion_s": cold.get("first_completion_s"),
+           "warm_start_health_200_s": warm.get("health_200_s")}
+    for name, value in r.items():
+        if isinstance(value, dict):
+            level = name.startswith("seed_")
+            out |= {f"{name.replace('seed_over_concurrency_1', 'seed_over_c1')}.{'c' * level}{k}": v
+                    for k, v in value.items()}
+        else:
+            out[name] = value
+    model = result.get("model") or result["family"]
+    return {f"traffic.{model}.{k}": v for k, v in out.items()}
+
+
 def format_table(result: dict) -> str:
     head = f"traffic {result['family']}: {result['server_tree']} @ {result['server_commit'] or '?'}"
     lines = [head, f"{'':52} {'measured':>10}  target"]
@@ -459,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_table(result))
     print(f"Results: {opts.out}\nServer log: {opts.log}")
+    if opts.results_dir is not None:
+        results.write(figures(result), "traffic", commit=result["server_commit"], results_dir=opts.results_dir)
     return 0
 
 
