@@ -1,10 +1,10 @@
-"""deployments/app.py's ChoicesStream: a streamed response ends its choices' engine requests however it
+"""deployments/responses.py's ChoicesStream: a streamed response ends its choices' engine requests however it
 ends. Its callers' streams are tested over HTTP (tests/test_http.py, tests/test_http_faults.py); here the
 one case HTTP cannot time: the client gone before the stream's generator first runs."""
 import asyncio
 
-from deployments.app import ChoicesStream
 from deployments.choices import Choice
+from deployments.responses import ChoicesStream
 from model.sampling.params import DecodeParams
 
 

@@ -13,7 +13,8 @@ import openai
 import pytest
 from ray import serve
 
-from deployments.app import OpenAIIngress, build_app
+from deployments.app import build_app
+from deployments.ingress import OpenAIIngress
 from deployments.args import AppArgs
 from deployments.choices import choice_seed
 from model.checkpoint import Checkpoint

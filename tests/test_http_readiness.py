@@ -14,7 +14,7 @@ import httpx
 import pytest
 from ray import serve
 
-from deployments.app import OpenAIIngress
+from deployments.ingress import OpenAIIngress
 from deployments.args import AppArgs
 from model.checkpoint import Checkpoint
 from tests.serve_harness import assert_openai_error, delete_apps, shared_serve

@@ -245,7 +245,7 @@ def test_checkpoint_sampling_defaults_apply_when_the_request_is_silent():
 def test_sampling_defaults_by_family(tiny_nemotron, tmp_path):
     """Nemotron-LD takes temperature, top_k and top_p from generation_config.json; DiffusionGemma top_k and
     top_p (its temperature is its renoise schedule's); an unusable value fails the deploy."""
-    from deployments.app import sampling_defaults
+    from deployments.ingress import sampling_defaults
     from model.checkpoint import Checkpoint
     from model.config import DiffusionGemmaConfig, GenerationDefaults, RenoiseDefaults
     from model.tiny import DIFFUSION_GEMMA_TINY_TEXT_CONFIG
