@@ -1,8 +1,7 @@
 """DiffusionGemma 26B-A4B's attention at one canvas, on the GPU host: the served call
-(model.kernels.attention.attention: its key splits and their combine) per layer kind, with its key
-loop pipelined (PIPELINE_KEYS) and not (the loop every compiled call ran before), and the split combine
-alone at its served tiles against the attention program's (what it ran at before 219a5b6), and the
-libraries' attention kernels on the same problem (`libraries_us`).
+(model.kernels.attention.attention: its key splits and their combine) per layer kind, and the split
+combine alone at its served tiles against the attention program's (what it ran at before 219a5b6), and
+the libraries' attention kernels on the same problem (`libraries_us`).
 
     PYTHONPATH=. python3 benchmarks/attention_bench.py [--json FILE]
 
@@ -11,8 +10,7 @@ full one (16 over 2 of 512) at 1280 and 2048 keys, one 256-token denoise row (bi
 Each call is the mean of 200 replays in one CUDA graph (benchmarks/fp8_gemm_bench.time_us); a step runs
 25 sliding and 5 full layers, so `step_us` weighs them so. `tiles_us`: the call at each of SWEEP's
 tiles (key splits as the served tiles' rule gives them; a tile that does not fit reports why). The two
-combine tiles must give the same bits (a row's result does not depend on its tile): `same_bits`; so
-must the two loops (the same blocks in the same order): `pipelined_same_bits`.
+combine tiles must give the same bits (a row's result does not depend on its tile): `same_bits`.
 
 `libraries_us`: the same attention through torch's SDPA backends (FlashAttention-2, cuDNN, the
 memory-efficient kernel; GQA by `enable_gqa`, and with the kv heads repeated, which some backends need)
@@ -121,7 +119,7 @@ def measure() -> dict:
     from benchmarks.fp8_gemm_bench import time_us, try_us
     from model.kernels import attention as A
 
-    result, step = {}, {"served": 0.0, "unpipelined": 0.0, "combine_served": 0.0, "combine_before": 0.0}
+    result, step = {}, {"served": 0.0, "combine_served": 0.0, "combine_before": 0.0}
     for name, (d, hkv, keys, ring, layers) in LAYERS.items():
         q, k, v, meta = problem(d, hkv, keys, ring)
         extent = ring if ring is not None else keys + C
@@ -132,11 +130,8 @@ def measure() -> dict:
                                **how)
 
         served = time_us(call)
-        unpipelined = time_us(lambda: call(pipeline=False))
-        same = torch.equal(call(pipeline=True), call(pipeline=False))
         weight = layers / (1 if ring is not None else 2)   # full layers: half at each length
-        row = {"served_us": served, "unpipelined_us": unpipelined, "pipelined_same_bits": same, "splits": splits,
-               "attention_rows": bm, "attention_warps": warps}
+        row = {"served_us": served, "splits": splits, "attention_rows": bm, "attention_warps": warps}
         if splits > 1:
             part, ml = combine_problem(d, hkv, splits)
             tiles = {"served": (A.combine_rows(d), 4), "before": (bm, warps)}
@@ -150,7 +145,6 @@ def measure() -> dict:
             step["combine_served"] += weight * row["combine_served_us"]
             step["combine_before"] += weight * row["combine_before_us"]
         step["served"] += weight * served
-        step["unpipelined"] += weight * unpipelined
         row["tiles_us"] = {str(t): try_us(lambda: call(tiles=t)) for t in SWEEP[d]}  # noqa: B023
         row["libraries_us"] = libraries(call(), q, k, v, keys, ring)
         result[name] = row

@@ -18,8 +18,11 @@ when it still carried a copy of it. --against FILE times another version of the 
 filters.py anywhere, e.g. an older commit's, loaded under its own name) beside it in the same run, on
 the same inputs, and checks it against torch too (columns against_ms and speedup = against_ms / ms).
 --sweep times the kernel under each of SWEEP's settings of its module constants (tile and split sizes,
-warps, how tile maxima are read) on SWEEP_CASES (with --tiny: the --shapes given, at the first of
---asks), each checked against torch. --profile lists each case's kernels in launch order with their
+warps) on SWEEP_CASES (with --tiny: the --shapes given, at the first of --asks), each checked against
+torch. The variants the kernel dropped (count passes by 16 comparisons an entry instead of a histogram;
+a split's tile maxima loaded at once instead of a tile's as it comes) are timed with --against on the
+module as it was before (`git log -S PRELOAD_MAXIMA -- model/kernels/filters.py` finds the commit that
+removed them: its parent's filters.py has both, behind HISTOGRAM and PRELOAD_MAXIMA). --profile lists each case's kernels in launch order with their
 device times (torch.profiler) and the GPU's idle time between them. --tiny runs small shapes, also on
 the CPU under TRITON_INTERPRET=1 (a smoke test of this script). Prints a table; writes JSON to --json
 (default $OUT/filters_bench.json when $OUT is set).
@@ -68,9 +71,9 @@ TINY = {   # --tiny: the same kinds, small enough for the interpreter
 }
 ASKS = ("mixed", "k40p0.9", "p0.9", "none", "traffic")
 # --sweep: settings of the kernel's module constants, each on top of its defaults (the first: none)
-SETTINGS = ("SPLIT", "COUNT_BLOCK", "MASS_BLOCK", "CACHE_TILE", "NUM_WARPS", "HISTOGRAM", "PRELOAD_MAXIMA")
-SWEEP = [{}, {"PRELOAD_MAXIMA": True}, {"COUNT_BLOCK": 1024}, {"SPLIT": 8192}, {"SPLIT": 32768},
-         {"SPLIT": 32768, "PRELOAD_MAXIMA": True}, {"MASS_BLOCK": 256, "CACHE_TILE": 256}, {"NUM_WARPS": 8}]
+SETTINGS = ("SPLIT", "COUNT_BLOCK", "MASS_BLOCK", "CACHE_TILE", "NUM_WARPS")
+SWEEP = [{}, {"COUNT_BLOCK": 1024}, {"SPLIT": 8192}, {"SPLIT": 32768}, {"MASS_BLOCK": 256, "CACHE_TILE": 256},
+         {"NUM_WARPS": 8}]
 SWEEP_CASES = [("dg8", "traffic"), ("dg8", "mixed"), ("dg8", "p0.9"), ("dg1", "traffic"), ("nem16_bf16", "traffic"),
                ("nem16_fp32", "traffic")]
 

@@ -17,13 +17,12 @@ Memory: a tensor the branch allocates belongs to the side stream's blocks and is
 stream only after the join; when it is freed, the next branch (forked after those reads were queued)
 is the first that can reuse it. Inputs stay referenced by the caller until after the join. So the
 caching allocator needs no record_stream, in graphs or out.
-Off CUDA, or with ENABLED off (benchmarks time both ways), the body runs inline and join does nothing.
+Off CUDA the body runs inline and join does nothing.
 """
 from __future__ import annotations
 
 import torch
 
-ENABLED = True
 _streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -52,7 +51,7 @@ class SideBranch:
 def side_branch(x: torch.Tensor) -> SideBranch:
     """A branch for work on x's device: its side stream on CUDA (one per device, created on first use,
     at high priority so the branch's few blocks start as soon as SMs free up), inline elsewhere."""
-    if not (ENABLED and x.is_cuda):
+    if not x.is_cuda:
         return SideBranch(None)
     stream = _streams.get(x.device)
     if stream is None:

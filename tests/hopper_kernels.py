@@ -100,8 +100,8 @@ def rope_calls(family: dict, quick: bool):
 
 def vocab_calls(family: dict, quick: bool):
     """model.kernels.vocab_stats and filters over a step's logits: every flag a plan or a request sets
-    (quick: a full batch of canvases, fp32 logits for the filters only, the filters' served setting, the
-    smallest and largest top-k width)."""
+    (quick: a full batch of canvases, fp32 logits for the filters only, the smallest and largest top-k
+    width)."""
     from model.kernels import filters
     from model.kernels.vocab_stats import triton_partials, triton_probabilities, triton_rank_top_k
     from model.parallel.group import TPGroup
@@ -114,15 +114,8 @@ def vocab_calls(family: dict, quick: bool):
                 temp, top_k, top_p = torch.empty(rows), _ints(rows), torch.empty(rows)
                 seed, counter, thr = _ints(rows), _ints(rows), torch.empty(rows, p)
                 shape = f"rows={rows} P={p} {dtype}"
-                for histogram in (True,) if quick else (True, False):   # filters_bench --sweep's switch
-                    def threshold(h=histogram):
-                        filters.HISTOGRAM = h
-                        try:
-                            return filters.triton_threshold(x, temp, top_k, top_p, 0, TPGroup(), softcap=softcap,
-                                                            on_scaled=on_scaled)
-                        finally:
-                            filters.HISTOGRAM = True
-                    yield f"filters {shape} histogram={histogram}", threshold
+                yield f"filters {shape}", lambda: filters.triton_threshold(x, temp, top_k, top_p, 0, TPGroup(),
+                                                                           softcap=softcap, on_scaled=on_scaled)
                 if quick and dtype == torch.float32:   # 32-bit keys: the filters' own path
                     continue
                 for has_thr in (False, True):

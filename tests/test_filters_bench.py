@@ -40,11 +40,11 @@ print("sweep exit", code, len(SWEEP))
 
 @pytest.mark.reliability   # ~2 minutes of interpreter on 2 cores
 def test_tiny_sweep_checks_every_setting_against_torch_in_the_interpreter(tmp_path):
-    """Every setting the GPU sweep times (tile and split sizes, warps, how tile maxima are read) gives
-    torch's thresholds: a setting that is fast but wrong shows as not exact."""
+    """Every setting the GPU sweep times (tile and split sizes, warps) gives torch's thresholds: a setting
+    that is fast but wrong shows as not exact."""
     out = tmp_path / "sweep.json"
     printed = run_interpreted(SWEEP.format(json=str(out)), "sweep exit 0", timeout=400)
     rows = json.loads(out.read_text())["sweep"]
     assert len(rows) == int(printed.split("sweep exit 0 ")[1].split()[0])
     assert all(row["exact"] for row in rows)
-    assert len({(row["count_block"], row["split"], row["preload_maxima"]) for row in rows}) >= 4
+    assert len({(row["count_block"], row["split"], row["mass_block"]) for row in rows}) >= 4

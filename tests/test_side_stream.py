@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import side_stream
-from model.side_stream import side_branch
+from model.side_stream import SideBranch, side_branch
 
 gpu = pytest.mark.gpu
 
@@ -65,6 +64,7 @@ def test_gemma_serves_the_same_bits_with_its_dense_mlp_on_the_side_stream(checkp
                                                                           monkeypatch):
     """A warmed-up runner (every step in a CUDA graph) serves the same tokens and logprobs with the dense
     MLP beside the experts as one after the other: the same kernels on the same inputs."""
+    from model import diffusion_gemma
     from model.sampling.params import DecodeParams
     from tests import served
     from workers.engine import Engine
@@ -74,8 +74,9 @@ def test_gemma_serves_the_same_bits_with_its_dense_mlp_on_the_side_stream(checkp
     prompts = [torch.randint(10, 500, (n,), generator=gen).tolist() for n in (5, 40)]
     params = DecodeParams(max_tokens=48, seed=1, ignore_eos=True, logprobs=2)
 
-    def run(enabled: bool) -> list[tuple]:
-        monkeypatch.setattr(side_stream, "ENABLED", enabled)
+    def run(beside: bool) -> list[tuple]:
+        if not beside:   # the branch inline, as off CUDA: the dense MLP, then the routing, on one stream
+            monkeypatch.setattr(diffusion_gemma, "side_branch", lambda x: SideBranch(None))
         with Engine(model_dir, num_slots=2, max_model_len=128, device="cuda", dtype="bfloat16") as e:
             e.shards.runner.warm_up()
             outs = served.generate(e, prompts, params)

@@ -251,10 +251,8 @@ F.SPLIT, F.COUNT_BLOCK, F.MASS_BLOCK = 1024, 512, 128
 temp = torch.tensor([0.7, 1.0, 1.3, 1.0, 0.0, 2.0])
 top_k = torch.tensor([5, 0, 7, 0, 3, 0])           # k only, p only, both, neither, both, p only
 top_p = torch.tensor([1.0, 0.8, 0.7, 1.0, 0.95, 0.5])
-cases = [(2900, torch.bfloat16, 30.0, False, True, False), (2900, torch.float32, None, True, False, True),
-         (700, torch.float32, None, True, True, True), (2900, torch.bfloat16, 30.0, False, True, True)]
-for V, dtype, softcap, on_scaled, histogram, preload in cases:
-    F.HISTOGRAM, F.PRELOAD_MAXIMA = histogram, preload
+cases = [(2900, torch.bfloat16, 30.0, False), (2900, torch.float32, None, True), (700, torch.float32, None, True)]
+for V, dtype, softcap, on_scaled in cases:
     x = torch.randn(6, 3, V)
     for r in range(6):
         for q in range(3):   # the top-k survivors and the top-p mass in one cluster (first tile, ragged last, ...)
@@ -274,10 +272,10 @@ print("cached tile maxima: triton == torch")
 
 @pytest.mark.interpreted(CACHED_CHECK, "cached tile maxima: triton == torch", timeout=300)
 def test_triton_thresholds_from_cached_tile_maxima_in_the_interpreter(request):
-    """Passes decide a tile from its cached maximum (read first for every row asking a filter; loaded a
-    tile at a time or the split's at once): rows asking top-k only, top-p only, both and neither in one
-    batch, the survivors clustered in one tile (later passes skip the rest), several splits, a ragged
-    last split and tile, a split narrower than SPLIT, both count paths."""
+    """Passes decide a tile from its cached maximum (read first for every row asking a filter): rows
+    asking top-k only, top-p only, both and neither in one batch, the survivors clustered in one tile
+    (later passes skip the rest), several splits, a ragged last split and tile, a split narrower than
+    SPLIT."""
     run_marked(request)
 
 

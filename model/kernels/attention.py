@@ -47,9 +47,6 @@ MIN_SPLIT_KEYS = 256
 # the combine streams the partials once, so it takes small tiles and many programs; the attention
 # program's rows (64-128 at head dim 512) held 255 registers a thread there and left most SMs idle
 COMBINE_VALUES = 4096
-# compiled key loops over the loaded range, their loads pipelined (module docstring); False: the
-# interpreter's loop, every load synchronous (what ran before; benchmarks/attention_bench.py times both)
-PIPELINE_KEYS = True
 
 
 # (query rows, keys, warps, pipeline stages) per program by head dim, for one row / for several (or
@@ -117,8 +114,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, slot_ptr, start
                  sqb, sql, sqh, skc, skp, skh, svc, svp, svh, sob, sol, soh,
                  L, W, R, qk_scale, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, ITERS: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr, RING: tl.constexpr, PRECISION: tl.constexpr, PIPELINE: tl.constexpr,
-                 INTERPRETED: tl.constexpr):
+                 HAS_WINDOW: tl.constexpr, RING: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_m, pid_bh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (pid_bh // HKV).to(tl.int64), (pid_bh % HKV).to(tl.int64)
     slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -164,7 +160,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, slot_ptr, start
     anchor = qpos   # read only under a window
     if HAS_WINDOW:
         anchor = tl.where(causal, qpos, start)
-    if INTERPRETED or not PIPELINE:
+    if INTERPRETED:
         # a constexpr trip count (the interpreter takes no loaded bound); the blocks past s_hi skip
         for it in range(ITERS):
             n0 = s_lo + it * BN
@@ -222,17 +218,15 @@ def _split_combine_kernel(part_ptr, ml_ptr, out_ptr, sob, sol, soh, L, BHKV, HKV
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
               lengths: torch.Tensor, causal: torch.Tensor, scale: float, window: int | None = None,
               ring: int | None = None, keys: int | None = None, splits: int | None = None,
-              tiles: tuple[int, int, int] | None = None, invariant: bool = False,
-              pipeline: bool | None = None) -> torch.Tensor:
+              tiles: tuple[int, int, int] | None = None, invariant: bool = False) -> torch.Tensor:
     """q [B, L, Hq, D]; k, v: a cache [slots, positions, Hkv, D] read in place (a ring of `ring`
     positions: p at p mod ring); slots, starts, lengths, causal [B] -> [B, L, Hq, D] in q's dtype.
     `window`: the sliding window W, None for none. `keys`: a host-side bound on start + length over
-    the rows (it sizes the key splits, and the interpreter's and the unpipelined loop's trip count: keys
-    past it are dropped there, read by the pipelined loop; default: the cache's positions). `splits`: key
+    the rows (it sizes the key splits, and the interpreter's trip count: keys past it are dropped there, read
+    by the compiled loop; default: the cache's positions). `splits`: key
     splits (default: from the shapes alone, never from the metadata's values: no sync). `tiles`: (query rows, keys,
     warps[, pipeline stages]) per program instead of `_config`'s (the tests' small tiles; timings).
-    `invariant`: each row's output independent of the other rows (batch-invariant mode). `pipeline`: the
-    compiled key loop over the loaded range (default PIPELINE_KEYS), or the interpreter's (timings)."""
+    `invariant`: each row's output independent of the other rows (batch-invariant mode)."""
     B, L, hq, D = q.shape
     hkv = k.shape[2]
     assert hq % hkv == 0 and k.shape[-1] == D and v.shape == k.shape, (q.shape, k.shape, v.shape)
@@ -247,11 +241,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     S = splits or S
     grid_m = triton.cdiv(L * G, BM)
     # the constexpr trip count of the interpreter's loop: iterations per split, rounded up to a power of two
-    # (+ BN - 1: the range starts at a multiple of BN, up to BN - 1 keys early); 1 for the pipelined loop,
+    # (+ BN - 1: the range starts at a multiple of BN, up to BN - 1 keys early); 1 for the compiled loop,
     # which reads its range, so that growing key lengths compile no new variant
-    pipeline = PIPELINE_KEYS if pipeline is None else pipeline
     iters = 1
-    if INTERPRETED or not pipeline:
+    if INTERPRETED:
         iters = triton.next_power_of_2(triton.cdiv(triton.cdiv(extent + BN - 1, S), BN))
     out = torch.empty_like(q)
     if S > 1:
@@ -267,7 +260,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         L, window or 0, ring or 1, scale * LOG2E, HKV=hkv, G=G, D=D, BLOCK_D=block_d, BM=BM, BN=BN, SPLITS=S,
         ITERS=iters, HAS_WINDOW=window is not None, RING=ring is not None, PRECISION=precision,
-        PIPELINE=pipeline, INTERPRETED=INTERPRETED, num_warps=warps, num_stages=stages)
+        INTERPRETED=INTERPRETED, num_warps=warps, num_stages=stages)
     if S > 1:
         split_combine(part, ml, out)
     return out

@@ -72,9 +72,6 @@ COUNT_BLOCK = 512    # a count pass's tile: one histogram per tile (2048 was slo
 MASS_BLOCK = 512     # a mass pass's tile: its [16, MASS_BLOCK] fp32 totals stay in registers
 CACHE_TILE = 512     # entries a cached maximum covers (at most MASS_BLOCK; 256 was slower on an H100)
 NUM_WARPS = 4
-HISTOGRAM = True     # count passes by tl.histogram (False: by 16 comparisons an entry; the same totals)
-PRELOAD_MAXIMA = False  # a pass loads a tile's maximum before the tile (True: its split's at once, a reduction a tile;
-                        # 4.80 vs 5.28 ms for dg8 traffic on an H200)
 # the pass kinds (constexprs: kernels read them)
 COUNT, MASS, KEY_MASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 BINS = 32            # a count histogram's bins: below, the 16 digits, above, unused
@@ -195,8 +192,7 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
                         MODE: tl.constexpr, BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         ON_SCALED: tl.constexpr, INTERPRETED: tl.constexpr, NC: tl.constexpr,
                         SPLITS_P2: tl.constexpr, SPLIT_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        TILE: tl.constexpr, TILES: tl.constexpr, TILES_P2: tl.constexpr, HISTOGRAM: tl.constexpr,
-                        BINS: tl.constexpr, PRELOAD_MAXIMA: tl.constexpr):
+                        TILE: tl.constexpr, TILES: tl.constexpr, TILES_P2: tl.constexpr, BINS: tl.constexpr):
     """COUNT pass PASS: out[n, split, d] = entries with key >= prefix + d << shift (undercounted only at
     candidates <= bound[n], the top-k bound L). MASS pass PASS: out[n, split, d] = the top-k survivors'
     probability mass at keys >= prefix + d << shift; pass 0, before the normaliser is known, sums
@@ -217,7 +213,7 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
     d = tl.arange(0, NC)
     bins = tl.arange(0, BINS)
     hist = tl.zeros((BINS,), dtype=tl.int32)
-    # per-lane totals [candidate, entry], summed across lanes once after the loop
+    # a mass pass's per-lane totals [candidate, entry], summed across lanes once after the loop
     acc = tl.zeros((NC, BLOCK_SIZE), dtype=tl.float32)
     weights = tl.zeros((NC,), tl.float32)
     ref = tl.full((), -float("inf"), tl.float32)
@@ -238,9 +234,6 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
         low = prefix.to(tl.uint32)
         cache = tile_max_ptr + (n.to(tl.int64) * splits + split) * TILES
         tiles = tl.arange(0, TILES_P2)
-        cached = tl.full((TILES_P2,), -float("inf"), tl.float32)
-        if PRELOAD_MAXIMA:   # the split's maxima at once: one load a program
-            cached = tl.load(cache + tiles, mask=tiles < TILES, other=-float("inf"))
         thr = -float("inf")
         lowest = -float("inf")
         log_scale = tl.zeros((), tl.float32)   # probabilities are exp(v - log_scale)
@@ -263,10 +256,8 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
             cols = start + off + tl.arange(0, BLOCK_SIZE)
             inside = cols < V
             first = off // TILE
-            if PRELOAD_MAXIMA:
-                top_x = tl.max(tl.where((tiles >= first) & (tiles < first + SUB), cached, -float("inf")), 0)
-            else:   # a load a tile, not a reduction over the split's maxima
-                top_x = tl.max(tl.load(cache + first + sub, mask=first + sub < TILES, other=-float("inf")), 0)
+            # the tile's own maxima, loaded as it comes (not the split's at once, reduced for every tile)
+            top_x = tl.max(tl.load(cache + first + sub, mask=first + sub < TILES, other=-float("inf")), 0)
             if _reaches(top_x, low, lowest, thr, t_eff, softcap, inv_softcap, MODE, BITS, HAS_SOFTCAP, ON_SCALED,
                         INTERPRETED):
                 x = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
@@ -280,10 +271,7 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
                     acc += tl.where(d[:, None] <= digits[None, :], mass[None, :], 0.0)
                 else:
                     binned = tl.where(at & inside, digits + 1, 0)   # bin 0: counted in no candidate
-                    if HISTOGRAM or MODE == KEY_MASS:
-                        hist += tl.histogram(binned, BINS)
-                    else:
-                        acc += (d[:, None] < binned[None, :]).to(tl.float32)
+                    hist += tl.histogram(binned, BINS)
         if MODE == KEY_MASS:   # a digit's key is one value: its probability, 0 where top-k drops it
             # (the last prefix ends in 4 zero bits, so prefix + d is a key for every d)
             key_v = decided_value(_key_logit(prefix + d, BITS), t_eff, softcap, inv_softcap, HAS_SOFTCAP, ON_SCALED,
@@ -297,7 +285,7 @@ def _filter_pass_kernel(x_ptr, temp_ptr, top_k_ptr, top_p_ptr, prev_ptr, prefix_
         counts = tl.sum(tl.where(bins[None, :] == d[:, None] + 1, hist[None, :], 0), 1)
         key_mass = counts.to(tl.float32) * weights
         tl.store(out_ptr + out + d, tl.sum(tl.where(d[None, :] >= d[:, None], key_mass[None, :], 0.0), 1))
-    elif MODE == COUNT and HISTOGRAM:   # candidate d counts the bins past d: the suffix sums
+    elif MODE == COUNT:   # candidate d counts the bins past d: the suffix sums
         tl.store(out_ptr + out + d, tl.sum(tl.where(bins[None, :] > d[:, None], hist[None, :], 0), 1).to(tl.float32))
     else:
         tl.store(out_ptr + out + d, tl.sum(acc, 1))
@@ -428,8 +416,7 @@ def triton_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         _filter_pass_kernel[(RP, splits)](
             x, temp, top_k, top_p, prev, prefix, out, xk, ref, lognorm, tile_max, bound, P, V, splits, cap, inv_cap,
             i, bits - 4 * (i + 1), MODE=mode.value, SPLIT_SIZE=width, BLOCK_SIZE=block, TILE=tile, TILES=tiles,
-            TILES_P2=triton.next_power_of_2(tiles), HISTOGRAM=HISTOGRAM, BINS=BINS, PRELOAD_MAXIMA=PRELOAD_MAXIMA,
-            num_warps=NUM_WARPS, **flags)
+            TILES_P2=triton.next_power_of_2(tiles), BINS=BINS, num_warps=NUM_WARPS, **flags)
 
     for i in range(passes):
         launch(COUNT, i, counts[i - 1] if i else counts[0], prefix_k, counts[i], count_block)
