@@ -21,8 +21,8 @@ the same inputs, and checks it against torch too (columns against_ms and speedup
 warps) on SWEEP_CASES (with --tiny: the --shapes given, at the first of --asks), each checked against
 torch. The variants the kernel dropped (count passes by 16 comparisons an entry instead of a histogram;
 a split's tile maxima loaded at once instead of a tile's as it comes) are timed with --against on the
-module as it was before (`git log -S PRELOAD_MAXIMA -- model/kernels/filters.py` finds the commit that
-removed them: its parent's filters.py has both, behind HISTOGRAM and PRELOAD_MAXIMA). --profile lists each case's kernels in launch order with their
+module as it was before (`git log -1 -S PRELOAD_MAXIMA -- model/kernels/filters.py` names the commit
+that removed them: its parent's filters.py has both, behind HISTOGRAM and PRELOAD_MAXIMA). --profile lists each case's kernels in launch order with their
 device times (torch.profiler) and the GPU's idle time between them. --tiny runs small shapes, also on
 the CPU under TRITON_INTERPRET=1 (a smoke test of this script). Prints a table; writes JSON to --json
 (default $OUT/filters_bench.json when $OUT is set).
