@@ -65,7 +65,8 @@ TABLES: dict[str, Table] = {
     # docs/performance.md: the FP8-dynamic shapes, bare runner (make bench's FP8 section)
     "fp8": Table("FP8-dynamic, dummy weights, one GPU", (
         *per_card("copy bandwidth measured in the run (TB/s)", ("copy_bandwidth_tb_s",)),
-        *per_card("DiffusionGemma 26B-A4B: step of 1 / 4 canvases (ms)", (f"fp8.{DG}.step_ms.c1", f"fp8.{DG}.step_ms.c4")),
+        *per_card("DiffusionGemma 26B-A4B: step of 1 / 4 canvases (ms)",
+                  (f"fp8.{DG}.step_ms.c1", f"fp8.{DG}.step_ms.c4")),
         *per_card("  FP8 / BF16 step, 1 / 4 canvases", (f"fp8.{DG}.over_bf16.c1", f"fp8.{DG}.over_bf16.c4"),
                   target="report"),
         *per_card("  P1: step / FP8 weight-read floor", (f"fp8.{DG}.P1",), target="<= 1.25"),
@@ -127,7 +128,8 @@ TABLES: dict[str, Table] = {
         Row("  seed workload tok/s at concurrency 1 / 2 / 4 / 8", seed(NL, (1, 2, 4, 8)), TOK, card="H100"),
         Row("  seconds from start to /health 200 (cold caches)", (f"traffic.{NL}.cold_start_health_200_s",),
             COUNT, card="H100"),
-        *per_card("DiffusionGemma 26B-A4B: mixed / homogeneous committed tok/s", (f"traffic.{DG}.mixed_over_homogeneous",),
+        *per_card("DiffusionGemma 26B-A4B: mixed / homogeneous committed tok/s",
+                  (f"traffic.{DG}.mixed_over_homogeneous",),
                   target=">= 0.9"),
         *per_card("  ms a pass, homogeneous / mixed",
                   (f"traffic.{DG}.ms_per_pass.homogeneous", f"traffic.{DG}.ms_per_pass.mixed")),
@@ -155,7 +157,8 @@ TABLES: dict[str, Table] = {
             tuple(f"attention.{DG}.sliding_1279_keys.{k}_us" for k in ("served", "flash", "cudnn", "flex",
                                                                         "efficient"))),
         Row("full layer (head dim 512, 2 kv heads), 1,536 keys: ours / memory-efficient (the only library "
-            "kernel that runs)", (f"attention.{DG}.full_1536_keys.served_us", f"attention.{DG}.full_1536_keys.efficient_us")),
+            "kernel that runs)",
+            (f"attention.{DG}.full_1536_keys.served_us", f"attention.{DG}.full_1536_keys.efficient_us")),
         Row("the same at 2,304 keys", (f"attention.{DG}.full_2304_keys.served_us",
                                         f"attention.{DG}.full_2304_keys.efficient_us")),
     )),

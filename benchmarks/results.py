@@ -28,15 +28,17 @@ DEFAULT_DIR = Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS
 FIGURE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 FILE = re.compile(r"^(?P<date>\d{4}-\d\d-\d\d)-(?P<commit>[0-9a-f]{7,40}(?:-dirty)?|unknown)-(?P<card>[a-z0-9]+)"
                   r"-(?P<tool>[a-z0-9_]+)(?:-(?P<n>\d+))?\.json$")
-MARKED = re.compile(r"(?P<open><!-- results:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(?P<close><!-- /results:(?P=name) -->)",
-                    re.DOTALL)
+# a marked table: its markers each on a line of their own
+MARKED = re.compile(r"^(?P<open><!-- results:(?P<name>[\w-]+) -->\n)(?P<body>.*?)"
+                    r"^(?P<close><!-- /results:(?P=name) -->)$", re.DOTALL | re.MULTILINE)
 
 
 class Result(BaseModel):
     """One benchmark run's figures."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    card: str = Field(min_length=1, description="the device measured, as the driver names it; a CPU run: 'CPU (N cores)'")
+    card: str = Field(min_length=1, description="the device measured, as the driver names it; a CPU run: "
+                                                "'CPU (N cores)'")
     commit: str = Field(pattern=r"^([0-9a-f]{7,40}(\+dirty)?|unknown)$", description="the code measured")
     date: datetime.date
     command: str = Field(min_length=1, description="what produced the figures")
