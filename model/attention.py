@@ -1,27 +1,12 @@
-"""Attention over a per-slot KV cache for the three step kinds (docs/spec.md section 1).
+"""Attention over a per-slot KV cache for the three step kinds (docs/spec.md section 1), and the step's
+metadata every layer reads (`StepContext`, made once per forward with device ops only).
 
-One forward carries B rows, each a segment of one slot padded to a common length L:
-  prefill  causal over prompt tokens, keys = the slot's cache before it + itself;
-  denoise  bidirectional over the canvas, keys = the committed prefix + the whole canvas;
-  commit   causal over the finished canvas at the same positions.
-Every row's new keys and values are written at their absolute positions in the slot's cache before
-attention reads it. For denoise rows those positions lie past the committed prefix, so the write is
-scratch that the canvas's commit overwrites: only `prefix_len` positions of a slot are ever valid.
-Padding tokens write into a sink row that nothing reads.
-
-Sliding-window layers (DiffusionGemma, docs/spec.md 2.2) read a second mask, `window_mask`: a causal row's
-query at position q sees keys (q - W, q]; a denoise row's queries see the last W - 1 prefix keys plus
-the whole canvas, the window anchored at the canvas start as in transformers (its decoder reads the
-sliding cache layer, which holds the last W - 1 prefix tokens, then appends the canvas).
-
-A prefill (every row starting at position 0) attends to its own keys and values (SDPA); later steps
-read the cache: on CUDA in place, through model.kernels.attention, which computes these masks from
-the rows' starts, lengths and kinds; elsewhere (and with DLLM_TRITON_ATTENTION=0) by gathering each
-row's keys for a masked SDPA, the reference the kernel is tested against. Sliding layers of a
-LayeredKVCache with a ring keep only the last `ring` positions of each slot (p at p mod ring, ring =
-W - 1 + the widest step), so their memory is bounded by the window.
-
-The step's metadata lives in one `StepContext`, made once per forward and read by every layer.
+Every row's new keys and values are written at their absolute positions before attention reads them: a
+denoise row's land past the committed prefix, scratch its commit overwrites; padding writes a sink row
+nothing reads. Sliding layers see a window anchored at the canvas start on denoise rows, and a
+LayeredKVCache may hold them as rings of W - 1 + C positions. After a prefill, CUDA reads the cache in
+place through model.kernels.attention; elsewhere (and with DLLM_TRITON_ATTENTION=0) each row's keys are
+gathered for a masked SDPA, the reference. The cache's layout: docs/design.md, "Memory".
 """
 from __future__ import annotations
 
@@ -190,7 +175,7 @@ def ring_view(kv: LayeredKVCache, slot: torch.Tensor, start: torch.Tensor, lengt
 
 _current: ContextVar[StepContext | None] = ContextVar("step_context", default=None)
 # Steps after a prefill on CUDA read the cache in place through model.kernels.attention instead of
-# gathering it for a masked SDPA, about 3x faster (README, "Where the time goes").
+# gathering it for a masked SDPA, several times faster (docs/kernels.md).
 # DLLM_TRITON_ATTENTION=0 (or triton_attention(False)) turns it off.
 _triton = os.environ.get("DLLM_TRITON_ATTENTION", "1") != "0"
 
@@ -279,7 +264,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
         # flash and cuDNN take head_dim <= 256; the memory-efficient kernel (GQA heads repeated for it)
         # beats the math fallback at DiffusionGemma's 512. It is also the batch-invariant one (per query
         # block, keys in order), and with a mask over a sliding layer's ring at batch 1 it is faster than
-        # cuDNN (README, "Where the time goes")
+        # cuDNN
         repeat = q.shape[1] // keys.shape[1]
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
             out = F.scaled_dot_product_attention(q, keys.repeat_interleave(repeat, 1),

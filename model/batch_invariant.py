@@ -1,25 +1,11 @@
 """Batch-invariant mode: a request's tokens and scores are the same bits alone or in any batch (CUDA).
 
-In bf16 a row's logits depend on its neighbours unless every reduction a forward and its sampler
-make runs in an order fixed by the row alone: cuBLAS and grouped_mm choose split-K and tiles by the
-whole batch's shape, torch's reductions choose their trees by the number of rows, and NCCL chunks an
-all-reduce by message size. With the mode on (a Runner made with `batch_invariant=True` enters it
-around each command, graph captures included) the ops below route every such reduction to
-model.kernels.invariant's fixed-order kernels:
-
-    linear, grouped_matmul    fixed tiles and K-splits chosen by the weight's shape
-    row_sum, mean_square,     one program per row (norms, the router's softmax and weights, the
-    row_cumsum, softmax       sampler's sums and its entropy-bound scans)
-    attention                 after a prefill, model.kernels.attention with fixed tiles and one key
-                              split (a row's blocks are its own); a prefill, the memory-efficient
-                              SDPA kernel (per query block, keys in order)
-    all_reduce (TP > 1),      parts added left to right (sum_in_order): every rank's gathered part,
-    the experts' outputs      a token's k expert outputs
-
-Everything else in a forward is elementwise or exact (gathers, maxima, integer counts). The sampler's
-vocabulary passes are invariant in both modes (model/kernels/vocab_stats.py splits by vocabulary
-width only). The mode off, these are the plain torch ops. It costs speed (the README's speed table),
-so it is opt-in, for bf16/fp16/fp32 models.
+A runner made with `batch_invariant=True` enters the mode around each command, graph captures included.
+Inside it the ops below (linear and grouped matmuls, row sums, norms' mean squares, scans, softmax,
+attention, tensor-parallel sums, the experts' combine) run model.kernels.invariant's fixed-order kernels
+or add their parts in order, so no reduction's order depends on the batch's shape; with the mode off
+they are the plain torch ops. It costs speed, so it is opt-in, for bf16/fp16/fp32 models. Which
+reductions depend on the batch, and how these fix them: docs/kernels.md.
 """
 from __future__ import annotations
 

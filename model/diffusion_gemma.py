@@ -1,33 +1,12 @@
 """DiffusionGemma (docs/spec.md 2.2, 4.9): one Gemma-4 MoE text backbone, one tensor-parallel rank of it.
 
-The same weights serve the causal "encoder" (prefill, commit) and the bidirectional "decoder"
-(denoise); transformers' DiffusionGemmaModel ties them, so there is one stack of layers here. Per row:
-
-    e   = embed(ids) * sqrt(hidden)
-    x   = e                                                            (prefill / commit rows)
-    x   = post_norm(e + down(gelu(gate(pre_norm(soft))) * up(pre_norm(soft))))   (denoise rows)
-    for each layer (sliding or full, per layer_types):
-        h += post_attn_norm(attn(input_norm(h)))           # q/k RMS-normed, RoPE; v RMS-normed without scale
-        h += post_ff_norm(post_ff_norm_1(mlp(pre_ff_norm(h))) + post_ff_norm_2(experts(pre_ff_norm_2(h), router(h))))
-        h *= layer_scalar                                  # the encoder's or the decoder's, per row
-    logits_r = embed_r(norm(h))                            # this rank's vocabulary slice (tied head)
-
-logits_r is raw: the sampler softcaps what it reads, 30 * tanh(logits_r / 30) in fp32 (`logit_softcap`).
-
-Sliding layers attend within the window (model.attention: anchored at the canvas start on denoise
-rows); full layers attend to everything, with K = V (no v_proj: values are the raw key projection)
-and proportional RoPE on a quarter of each head. Attention is unscaled (q_norm / k_norm do it).
-`soft` is the previous denoise step's soft embedding `softmax(logits / T) @ W_embed * sqrt(hidden)`
-(`soft_embedding`), zero on a canvas's first step, where post_norm still runs.
-
-Linear layers and experts hold FP8 weights where the checkpoint's quantization_config says so (`quant`:
-the scope of a module's checkpoint path, model/quant_config.py; the real FP8 checkpoint keeps the
-routers and the self-conditioning MLP unquantized).
-
-Tensor parallel: query heads split, KV heads split or (fewer than tp) replicated; dense MLP,
-self-conditioning MLP and every expert split along their intermediate dims; embedding and tied head
-vocabulary-sharded. Collectives per layer: o_proj's all-reduce and one for the dense MLP and the experts
-together. The dense MLP runs on a second CUDA stream beside the routing and the experts (model.side_stream).
+One stack of layers serves the causal "encoder" rows (prefill, commit: x = e) and the bidirectional
+"decoder" rows (denoise: x = post_norm(e + selfcond_mlp(soft))), each row with its side's layer scalars,
+e = embed(ids) * sqrt(hidden). Sliding layers attend within the window; full layers use K = V and
+partial RoPE; q, k and v are RMS-normed and attention is unscaled. head_logits is this rank's raw slice
+of the tied head (the sampler softcaps it); soft_embedding(probs) = probs @ W_embed * sqrt(hidden), one
+all-reduce. Per layer one all-reduce after o_proj and one for the dense MLP (on a side stream,
+model.side_stream) and the experts together. FP8 weights where the checkpoint's quantization_config says.
 """
 from __future__ import annotations
 

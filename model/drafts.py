@@ -1,18 +1,11 @@
 """Provisional canvases for the slots that asked (`DecodeParams.stream_drafts`): snapshots of a canvas
-being denoised, taken on the device and copied to the host with the command's one copy.
+being denoised, taken on the device every `draft_every` denoising steps (a device-side condition) and
+copied to the host with the command's one copy.
 
-A drafting slot snapshots its canvas after every denoise step whose count of denoising steps on the
-canvas reaches a multiple of its `draft_every` (a device-side condition: no host read), appending at a
-per-slot cursor like `CommandOutputs.emit` appends tokens. A snapshot is the canvas's tokens with a
-`known` flag per position:
-
-    masked diffusion   tokens: the canvas (mask token where masked); known: revealed (not masked)
-    DiffusionGemma     tokens: the argmax canvas (what a commit would emit; the sampled canvas is partly
-                       uniform noise); known: accepted by the entropy bound at that step
-
-Every row of a step whose plan drafts (a CUDA graph's always does) computes the condition, and only
-rows whose `draft_every` is set can meet it; `copy_out` copies only drafting slots. Snapshots read the
-canvas and write nothing else, so committed tokens and scores do not depend on them.
+A snapshot is the canvas's tokens with a `known` flag per position: masked diffusion's canvas (mask
+token where masked) and its revealed positions; DiffusionGemma's argmax canvas and the positions the
+entropy bound accepted. Snapshots read the canvas and write nothing else, so committed tokens and scores
+do not depend on them (docs/spec.md section 10).
 """
 from __future__ import annotations
 

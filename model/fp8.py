@@ -1,23 +1,12 @@
-"""FP8-dynamic arithmetic (compressed-tensors' FP8_DYNAMIC scheme, model/quant_config.py): weights
-stored as float8_e4m3fn with one scale per output channel, activations quantized per token as they
-arrive.
+"""FP8-dynamic arithmetic (compressed-tensors' FP8_DYNAMIC scheme, model/quant_config.py): weights stored
+as float8_e4m3fn with one scale per output channel, activations quantized per token as they arrive.
 
-    weight:      W  ~ Wq * sw          Wq [out, in] float8_e4m3fn, sw [out, 1] (the checkpoint's)
-    activation:  sx = max(absmax(x_t) / 448, 1 / (448 * 512)),  xq = fp8(clamp(x_t / sx, +-448))
-    y_t         = (xq * sx) (Wq * sw)^T
+    sx = max(absmax(x_t) / 448, 1 / (448 * 512)),  xq = fp8(clamp(x_t / sx, +-448)),  y_t = (xq sx)(Wq sw)^T
 
-The functions below are the reference that every device without FP8 tensor cores runs (the CPU; also
-CUDA for fp32 and fp64 models), and that the FP8 kernels (model/kernels/fp8.py, where `kernels_take`)
-reproduce up to their summation order: they round the activations to FP8 in
-fp32 exactly as compressed-tensors' dynamic token quantization does (x / sx; vLLM's kernels multiply by
-1 / sx instead, which moves a value across an FP8 rounding boundary a few times in 10^7), with vLLM's
-floor on the scale, and compute with the dequantized weight and activation in fp32 (fp64 for an fp64
-model), rounding to the model's dtype once at the end, as an FP8 GEMM with its scales in the fp32
-epilogue does. Dequantization is exact: an FP8 value (4 significant bits) times a bf16 scale (8) fits
-fp32's 24. So CPU results predict GPU ones up to the GEMM's summation order.
-
-Under tensor parallelism a row-parallel layer's input is split along K, and each rank scales its own
-slice of a token (as vLLM does): no collective for the scales, a finer rounding than TP = 1's.
+The functions here are the reference every device without FP8 tensor cores runs (the CPU; CUDA for fp32
+and fp64 models), and model/kernels/fp8.py reproduces them up to summation order: compressed-tensors'
+rounding, vLLM's floor on the scale, dequantized math in fp32 rounded once. Under tensor parallelism each
+rank scales its own K-slice of a row-parallel input. The reasons for each choice: docs/kernels.md.
 """
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
-"""The layers' elementwise chains (norms, residual adds, rotary embeddings, gated activations), each
-one function that runs as one fused kernel on CUDA.
-
-At small batch a forward costs its weight reads plus one kernel per elementwise op: unfused, a layer's
-norms, rotary embedding and gated activation are tens of kernels of a few microseconds each, about as
-long as the reads themselves. On CUDA each function below is compiled by torch.compile (inductor) into
-one kernel (rotary, gemma_qkv and the FP8 quantizing ones: hand-written triton kernels, see there);
-elsewhere it runs as written, and what is written is the reference (transformers' order of operations
-and roundings).
-Shapes are dynamic: one compilation per function serves every batch.
-In batch-invariant mode (model.batch_invariant) a norm's sum of squares is an opaque row kernel
-inside the compiled chain (inductor would pick its reduction layout by shape); the rest stays fused.
+"""The layers' elementwise chains (norms, residual adds, rotary embeddings, gated activations), each one
+function that runs as one fused kernel on CUDA: compiled by torch.compile (inductor, dynamic shapes), or
+a hand-written triton kernel where that reads a row once (rotary, gemma_qkv, the FP8-quantizing ones).
+Elsewhere each runs as written, which is the reference (transformers' order of operations and roundings).
+Should inductor fail, a chain runs unfused from then on and says so once. In the batch-invariant mode a
+norm's sum of squares is an opaque fixed-order row kernel inside the chain. Why: docs/kernels.md.
 """
 from __future__ import annotations
 

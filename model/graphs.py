@@ -1,26 +1,11 @@
-"""CUDA graphs of whole steps: forward, sampler and state update of a canvas-wide or AR step, and of
-prefills up to PREFILL_GRAPH_TOKENS (rows x width), from a closed set captured before a shard serves.
+"""CUDA graphs of whole steps (forward, sampler, state update of a canvas-wide or AR step) and of prefills
+up to PREFILL_GRAPH_TOKENS, from a closed set captured before a shard serves.
 
-A forward of the 8B model is a few hundred kernels and the sampler a few dozen more; launched one by
-one from Python their launch cost exceeds the GPU time of a small batch. A step reads everything from
-the runner's slot-indexed buffers through two index tensors (its rows' slots, its scored rows) and
-writes its results back into them, so a graph of it needs nothing but those indices copied in.
-
-A graph is keyed by its step kind and a graph plan (model/steps/plan.py): the batch padded up to the
-next of `capture_sizes` (vLLM's cudagraph_capture_sizes; the padding rows are the slot table's `pad`
-row, always done), the key bucket its rows read, and whether it computes scores. Every request
-option is device data, so no option can add a key: the set is
-
-    canvas   len(capture_sizes) x len(key_buckets) x 2 (scored or not)
-    ar       the same, for families with an AR mode
-    prefill  sum over capture sizes b of the prefill widths w with b * w <= PREFILL_GRAPH_TOKENS, x 2
-             (x 1 for families whose prefill samples nothing)
-
-`Runner.warm_up` captures all of them and then `freeze`s: from then on nothing is captured, and a step
-whose key is outside the set (a prefill too wide for a graph) runs eagerly and is counted. Prompts are
-padded to a prefill width; a padded position writes the KV cache's sink, and a real query never sees
-it. Keys grow two buckets an octave, so the set stays small for long contexts and a row reads at most
-half again the keys it needs.
+A graph is keyed by its step kind and graph plan (model/steps/plan.py): the batch padded to the next
+capture size, the key bucket its rows read, and whether it scores. Request options are device data, so
+no option adds a key and the set's size is a formula of the slots and max_model_len. `Runner.warm_up`
+captures them all and `freeze`s; a step outside the set then runs eagerly and is counted. Keys grow two
+buckets an octave. The formula and the reasons: docs/design.md, "CUDA graphs".
 """
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """safetensors checkpoint -> this rank's parameter slices.
 
-A checkpoint is one `model.safetensors` or shards named by `model.safetensors.index.json`. Tensors are
-opened lazily (`safe_open(...).get_slice`) and every parameter's own `weight_loader` reads only this
-rank's rows or columns. The family's `packed_modules` maps checkpoint projections onto fused ones
-(q/k/v -> qkv_proj, gate/up -> gate_up_proj), and a parameter fused from several tensors of its own
-module carries their names (`checkpoint_names`: FP8 experts, stored one per expert); nothing else is
-per-model loading code.
-
-A tensor's dtype is checked before it is read: an FP8 parameter reads float8_e4m3fn only, every other
-parameter (scales included) a 16-, 32- or 64-bit float, so an FP8 tensor never lands, unscaled, in a
-parameter that would cast it.
-
-Once every weight is in, a layer whose kernels read a weight faster in another layout gets it rewritten
-(the FP8 experts, chunked for their grouped kernel: model.moe.GemmaExperts.chunk_for_kernels).
+Tensors are opened lazily (`safe_open(...).get_slice`) from one `model.safetensors` or the shards its
+index names, and every parameter's own `weight_loader` reads only this rank's rows or columns. The
+family's `packed_modules` maps checkpoint projections onto fused ones (q/k/v, gate/up), and a parameter
+fused from several tensors carries their names (`checkpoint_names`: the FP8 experts); nothing else is
+per-model loading code. A tensor's dtype is checked before it is read (an FP8 parameter reads
+float8_e4m3fn only, every other a float). Once every weight is in, a layer whose kernels read another
+layout faster gets it rewritten (the FP8 experts, chunked: model.moe.GemmaExperts.chunk_for_kernels).
 """
 from __future__ import annotations
 

@@ -4,21 +4,10 @@ the routed experts of a layer.
     weights, ids = router(x)                   top-k experts per token, softmax-renormalised, scaled
     moe(x)       = sum_j weights_j * down_e(gelu_tanh(gate_e(x)) * up_e(x)),   e = ids_j
 
-Every expert lives on every rank, split along its intermediate dim, so a rank's output is a partial
-sum, as a row-parallel linear's is. The layer's dense MLP is one too (its down projection does not
-reduce), and the decoder layer sums both in one all-reduce: one collective per layer for the
-feed-forward.
-
-The (token, expert) pairs are sorted by expert and each projection runs as one grouped matmul over
-them (`grouped_linear`): no host sync and no per-expert loop, so a step stays CUDA-graph capturable.
-
-FP8 experts (compressed-tensors FP8-dynamic, model/fp8.py) are stored one per expert in the checkpoint
-(`experts.{e}.{gate,up,down}_proj.weight` and `.weight_scale` [out, 1]) and fused at load into the same
-grouped layout, float8_e4m3fn, with their scales beside them: gate_up [E, 2I, H] with [E, 2I], down
-[E, H, I] with [E, H]. Under tensor parallelism the gate/up scales split with their rows, the down scales
-(per output channel of a row-parallel projection) stay whole. Where the FP8 kernels will run them, the
-loaded weights are then rewritten chunked for the grouped kernel's tiles (`chunk_for_kernels`:
-model.kernels.invariant.ChunkedWeight), in place of the dense layout.
+Every expert lives on every rank, split along its intermediate dim, so a rank's output is a partial sum
+the layer adds to its dense MLP's in one all-reduce. The pairs are sorted by expert and each projection
+is one grouped matmul: no host sync, no per-expert loop. FP8 experts, stored one per expert, are fused
+at load into [E, 2I, H] and [E, H, I] with their scales, then chunked for the FP8 kernel (docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -129,7 +118,7 @@ class GemmaExperts(nn.Module):
     def chunk_for_kernels(self, dtype: torch.dtype) -> None:
         """After loading: where the FP8 kernels will run the experts (activations of `dtype` here take
         them), each weight is rewritten chunked for its projection's tiles, so that every tile's step of K
-        is one contiguous read (README.md, "FP8 on one H200"). The parameter then holds the chunked bytes
+        is one contiguous read (docs/kernels.md). The parameter then holds the chunked bytes
         (the same count, where N is a multiple of the tiles' columns, as DiffusionGemma's is); the reference
         path, which reads the dense layout, is refused from then on."""
         if self.chunked or self.down_proj_scale is None or not self.fp8_kernels(
@@ -232,7 +221,7 @@ def _narrowest_int(n: int) -> torch.dtype:
 
 
 # rows per expert (on average) up to which model.kernels.invariant's grouped kernel, which reads each
-# pair's token row in place, beats grouped_mm (README.md, "Where the time goes")
+# pair's token row in place, beats grouped_mm (docs/kernels.md)
 FEW_ROWS_PER_EXPERT = 32
 
 

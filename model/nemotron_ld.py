@@ -1,14 +1,13 @@
 """Nemotron-Labs-Diffusion (docs/spec.md 2.1): a Ministral-3 backbone (`encoder.*`) and an untied
 `diffusion_head`, one tensor-parallel rank of it.
 
-    h   = embed(ids)
-    for each layer:  h += o(attn(rope(q(n1(h))) * s(pos), rope(k(n1(h))), v(n1(h))));  h += down(silu(gate(n2(h))) * up(n2(h)))
+    h = embed(ids); per layer: h += o(attn(rope(q(n1(h))) * s(pos), rope(k(n1(h))), v(n1(h))))
+                               h += down(silu(gate(n2(h))) * up(n2(h)))
     logits_r = diffusion_head_r(norm(h))          # this rank's vocabulary slice
 
-with s(pos) the Llama-4 query scale. Linear layers hold FP8 weights where the checkpoint's
-quantization_config says so (`quant`: the scope of a module's checkpoint path, model/quant_config.py). Each residual add is fused with the norm after it (model/fused.py):
-a layer takes the residual stream and the previous sublayer's output, and returns both. Whether attention is causal or bidirectional, and which KV it
-reads and writes, is the step context's business (model.attention), not the model's.
+s(pos) is the Llama-4 query scale. Each residual add is fused with the norm after it (model/fused.py).
+Whether attention is causal or bidirectional, and which KV it reads and writes, is the step context's
+business (model.attention). Linear layers hold FP8 weights where the checkpoint's quantization_config says.
 """
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
-"""A slot's phase (what its next step does) and how many steps it can still take before it is done.
+"""A slot's phase (what its next step does) and a bound on the steps it can still take.
 
-A command runs the same number of steps for every slot, without the host looking in between (no
-sync inside a command). A slot that finishes early idles, but its row is still computed: with
-commands longer than what their slots need, the tail is forwards whose results nobody reads, and a
-finished request's response waits for them. The scheduler therefore sizes each command by an upper
-bound on the steps its slots still need, from what the host knows: the request's parameters at
-admission, and each slot's phase, denoising step and emitted count after every command. The bound is
-exact when a canvas runs all its steps (DiffusionGemma with confidence_threshold 0); an early
-convergence, an EOS or a stop id end a slot sooner.
-
-Torch-free: the scheduler (workers/scheduler.py) imports it.
+A command runs the same number of steps for every slot without the host looking in between, so a slot
+that finishes early idles through the rest and its response waits for them. The scheduler therefore
+sizes each command by an upper bound on the steps its slots still need, from what the host knows: the
+request's parameters, and each slot's phase, denoising step and emitted count after every command. The
+bound is exact when a canvas runs all its steps; an early convergence, an EOS or a stop id end a slot
+sooner. Torch-free: the scheduler (workers/scheduler.py) imports it.
 """
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
-"""config.json's `quantization_config`: compressed-tensors' FP8-dynamic scheme, read and checked, and
-which of a model's linear modules it quantizes.
+"""config.json's `quantization_config`: compressed-tensors' FP8-dynamic scheme, read and checked, and which
+of a model's linear modules it quantizes.
 
-The one scheme served is compressed-tensors' FP8_DYNAMIC preset as a saved checkpoint holds it
-(RedHatAI/diffusiongemma-26B-A4B-it-FP8-dynamic):
-
-    quant_method "compressed-tensors", format "float-quantized", quantization_status "compressed",
-    kv_cache_scheme null, no sparsity or transform config;
-    config groups targeting ["Linear"], each with
-        weights:           float, 8 bits, symmetric, strategy "channel", static  (`weight_scale` [out, 1])
-        input_activations: float, 8 bits, symmetric, strategy "token", dynamic   (no `input_scale`)
-        output_activations: null;
-    ignore: checkpoint module names that stay unquantized, each exact or `re:` + a regex matched at the
-    name's start (compressed-tensors' utils.match.match_name).
-
-Every other scheme is refused when config.json is read, with each unsupported field and its value
-named. Field names and defaults are compressed-tensors' (QuantizationConfig, QuantizationScheme,
-QuantizationArgs), so an absent field reads as that library reads it. Torch-free.
+The one scheme served is compressed-tensors' FP8_DYNAMIC preset as a saved checkpoint holds it: weights
+float 8-bit, symmetric, per output channel, static (`weight_scale` [out, 1]); input activations float
+8-bit, symmetric, per token, dynamic; an `ignore` list of module names (exact, or `re:` + a regex matched
+at the name's start). Every other scheme is refused when config.json is read, each unsupported field and
+its value named (docs/spec.md 2.3). Field names and defaults are compressed-tensors', so an absent field
+reads as that library reads it. Torch-free.
 """
 from __future__ import annotations
 

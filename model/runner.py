@@ -2,23 +2,12 @@
 
     execute(command): release and admit slots, run exactly `max_steps` steps, copy the results out once
 
-A step is: the prefill of newly admitted slots (a command's first step), one forward over every
-canvas-wide row (each at its own phase: denoise, commit, draft, verify), one over every AR row, each
-followed by its sampler and state update. Where the family's canvas step takes AR rows and the extra
-width costs less than a second forward (`ar_rides` below), the AR rows ride in the canvas forward
-instead: one read of the weights a step. All per-slot state lives on the device (model/slots.py) and
-the step kinds (model/steps) update it with device ops only, so the host reads nothing until the
-command ends: then model/outputs.py copies every slot's emitted tokens and scores, the counters and
-the slots' lengths and phases in one synchronisation. A slot that finishes mid-command (max_tokens,
-an EOS) turns `done` on the device and idles until the command ends; the events carry each slot's
-bound on the steps it can still run (model/phases.py), by which the scheduler sizes the next command
-so that few steps are spent on idle rows. On CUDA each step replays a graph of a closed set
-(model/graphs.py: its batch padded to a capture size, its plan one with every pass on, so that request
-options are data), and a canvas step's state update is compiled into a few fused kernels
-(model/steps/compiled.py); `warm_up` captures and compiles them all before a shard serves. A runner
-made with `batch_invariant=True` runs
-each command, captures included, in model.batch_invariant's mode: a slot's results are then the same
-bits whatever shares its batch.
+A step is the prefill of newly admitted slots (a command's first step), one forward over every
+canvas-wide row (denoise, commit, draft or verify, each at its own phase) and one over every AR row,
+each followed by its sampler and state update; AR rows ride in the canvas forward where that costs less
+than a second read of the weights (`ar_rides`). Per-slot state stays on the device, so the host reads
+nothing until the command ends. On CUDA every step replays a graph of the closed set that `warm_up`
+captures before a shard serves. The step loop, graphs and batch invariance: docs/design.md.
 """
 from __future__ import annotations
 

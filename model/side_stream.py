@@ -1,11 +1,5 @@
-"""A layer's independent branch on a second CUDA stream, beside the rest of the layer.
-
-At a lone DiffusionGemma canvas the experts stream their weights (memory-bound, ~290 us a layer on an
-H100 in FP8) while the dense MLP's GEMMs (~27 us) are tensor-core bound and the routing's kernels
-(~20 us) occupy a few SMs: run one after another, each leaves the other's resource idle. On a second
-stream the dense MLP runs beside the routing and the experts. In a CUDA graph the fork and the join
-are edges of the graph, so a replay keeps the overlap. The same kernels run on the same inputs: the
-results are the same bits, and batch invariance is untouched.
+"""A layer's independent branch on a second CUDA stream, beside the rest of the layer (DiffusionGemma's
+dense MLP beside its routing and experts; docs/kernels.md says why, and why no record_stream is needed).
 
     branch = side_branch(x)
     with branch:
@@ -13,11 +7,7 @@ results are the same bits, and batch invariance is untouched.
     routed = experts(...)        # queued on the current stream meanwhile
     branch.join()                # the current stream waits for the branch: `shared` is ready after this
 
-Memory: a tensor the branch allocates belongs to the side stream's blocks and is read on the current
-stream only after the join; when it is freed, the next branch (forked after those reads were queued)
-is the first that can reuse it. Inputs stay referenced by the caller until after the join. So the
-caching allocator needs no record_stream, in graphs or out.
-Off CUDA the body runs inline and join does nothing.
+In a CUDA graph the fork and the join are edges, so a replay keeps the overlap. Off CUDA it runs inline.
 """
 from __future__ import annotations
 

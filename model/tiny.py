@@ -3,17 +3,11 @@
     python -m model.tiny OUTDIR --family nemotron-ld|diffusion-gemma [--seed N] [--shards K]
                          [--quantize fp8-dynamic]
 
-`config.json` carries the real field names, the safetensors the real tensor names (optionally sharded
-with `model.safetensors.index.json`), plus `generation_config.json` and an offline-built tokenizer
-whose special tokens sit at the ids the config names. Weights are random but scaled so that
-distributions are peaked enough for greedy decoding to be well separated from ties.
-
-`--quantize fp8-dynamic` writes the same weights as a compressed-tensors FP8-dynamic checkpoint, in
-the format of RedHatAI/diffusiongemma-26B-A4B-it-FP8-dynamic: `quantization_config` as that library
-saves it, every Linear outside the ignore list as an F8_E4M3 `weight` plus its BF16 `weight_scale`
-[out, 1], DiffusionGemma's experts one per expert (`experts.{e}.{gate,up,down}_proj`), and an ignore
-list of module names like the real one's (Nemotron-LD: its head; DiffusionGemma: every router.proj,
-the vision tower, embed_vision, the self-conditioning MLP, lm_head).
+The real config.json fields and safetensors tensor names (optionally sharded with an index), a
+generation_config.json and an offline-built tokenizer whose special tokens sit at the ids the config
+names; random weights scaled so that greedy decoding is well separated from ties. `--quantize
+fp8-dynamic` writes the same weights as a compressed-tensors FP8-dynamic checkpoint laid out as the
+published FP8 DiffusionGemma is (per-channel scales, experts one per expert, a like ignore list).
 """
 from __future__ import annotations
 

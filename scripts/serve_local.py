@@ -2,13 +2,11 @@
 
     python scripts/serve_local.py [model=DIR] [tp=N] [port=P] [FIELD=VALUE ...]
 
-FIELD is any argument of deployments/args.py:AppArgs (`tp` is short for tensor_parallel_size). The
-environment variables MODEL, TP and PORT give the same settings; arguments win. Starts Ray, builds the
-app from what Ray has (the device, and whether it can hold the placement: an error if it never can),
-loads the weights before printing the ready message and curl examples, then serves until Ctrl-C (or
-SIGTERM), when it shuts Serve and Ray down: in whatever state it is (starting, placement pending,
-serving; a Ctrl-C while Ray starts takes effect once ray.init returns). SIGUSR1 prints every thread's
-Python stack to stderr (where a stop that does not end is stuck).
+FIELD is any argument of deployments/args.py:AppArgs (`tp` is short for tensor_parallel_size); the
+environment variables MODEL, TP and PORT give the same settings, arguments win. It builds the app from
+what Ray has, loads the weights before printing the ready message and curl examples, and on Ctrl-C or
+SIGTERM shuts Serve and Ray down in whatever state they are. SIGUSR1 prints every thread's Python stack
+to stderr (where a stop that does not end is stuck).
 """
 from __future__ import annotations
 

@@ -2,25 +2,12 @@
 
     python3 scripts/soak_gpu.py [--family nemotron-ld|diffusion-gemma] [--seconds S] [--server-tree PATH]
 
-For each family in turn (or the one --family names) it starts the server as benchmarks/traffic.py does
-(the full-size shapes, load_format=dummy, max_num_seqs=8; --server-tree picks the checkout), waits for
-its first completion, then for DLLM_SOAK_S seconds (default 240; --seconds wins; shortened where --within
-bounds the family's whole run, start included, as a GPU call's time limit does) runs --clients
-clients, each sending requests drawn from the family's built-in mix (benchmarks/request_mix.py; with
-ignore_eos) one after another as: whole answers, streams, streams with drafts (`diffusion.stream_drafts`,
-mode diffusion), and streams whose client hangs up after 1-3 chunks or drafts. Half way through, one
-burst of 256 requests at once, every other one streamed: each must get a whole answer or a 429. Every
-answer is checked (benchmarks/http_checks.py). Every --sample-every seconds it reads the GPU memory
-(nvidia-smi), the resident memory of the server's process tree and GET /health.
-
-Per family it prints and saves (--out-dir, default $OUT or .: soak-FAMILY.json and the server's log)
-the requests by kind, the errors by kind (anything but a 429 to a request that was in flight while the
-burst ran is an error), the burst's statuses, the median memory of the first third of the samples
-(after a warm-up) against the last third, and the slots free at the end (GET /health once idle). Exits
-1 on any error, a leak (GPU memory up by more than --gpu-slack-mib; resident memory up by more than
-10% + --rss-slack-mib) or a slot not free at the end; 2 if a server did not start; 130 when interrupted
-(SIGTERM or Ctrl-C), after saving what it had counted ("interrupted": true, no verdict) and stopping the
-server.
+It starts the server as benchmarks/traffic.py does (dummy weights), then --clients clients send the
+family's request mix (whole answers, streams, streams with drafts, streams whose client hangs up), with
+one burst of 256 requests half way that must each get a whole answer or a 429; every answer is checked,
+and GPU memory, resident memory and /health are sampled. It saves soak-FAMILY.json and the server's log
+in --out-dir, and exits 1 on an error, a leak or a slot not free at the end, 2 if a server did not start,
+130 when interrupted (after saving what it counted).
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
-"""Coordinator: one model instance (one Serve replica) — its shards, its scheduler and its step loop.
+"""Coordinator: one model instance (one Serve replica): its shards, its scheduler and its step loop.
 
     command = scheduler.schedule(); events = await shards.execute(command); scheduler.apply(events)
 
-The loop runs as an asyncio task on the replica's event loop and never blocks it (shard calls are
-awaited). With `overlap_commands` it keeps a second command queued at the shards behind the running
-one (scheduler.schedule(ahead=True)), so the shards start it as soon as the first ends instead of
-idling through the round trip (events back, apply, schedule, command out); the price is that a
-request arriving while both are in flight starts after the second. `generate` streams a request's
-blocks as they commit; a caller that goes away (client disconnect, stop string) cancels the stream and
-the slot is freed at the next step boundary. When a shard fails (or the loop itself raises), every
-in-flight request ends with an error saying so, the shard group is rebuilt, and later requests are
-served; if it cannot be rebuilt, the health check fails and Serve replaces the replica.
+The loop is an asyncio task on the replica's event loop and never blocks it. With `overlap_commands` a
+second command waits at the shards behind the running one, so they never idle through a round trip.
+`generate` streams a request's blocks as they commit; a caller that goes away frees its slot at the next
+step boundary. A shard failure ends every in-flight request with an error saying so and the shard group
+is rebuilt; if it cannot be, the health check fails and Serve replaces the replica (docs/design.md).
 """
 from __future__ import annotations
 

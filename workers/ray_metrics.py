@@ -1,14 +1,9 @@
-"""A coordinator replica's metrics through Ray's metrics, so that an operator's dashboard covers every
-replica: `ray.serve.metrics` tags each series with the Serve application, deployment and replica, and
-every node's Ray metrics endpoint (`ray start --metrics-export-port`; Ray's Prometheus service
-discovery file lists them) exports the replicas on that node. Summed over `replica`, a series is the
-whole deployment's. Ray prefixes the names: `dllm_committed_tokens_total` is
-`ray_dllm_committed_tokens_total` there.
-
-The same series as the ingress's `/metrics` (one replica's view, through whichever ingress and
-coordinator replica Serve picks): counters and gauges copied from the coordinator's stats every
-EXPORT_S (a counter grows by what it grew since the last copy), histograms observed as the coordinator
-observes them (RequestMetrics.listeners), so their buckets and sums are the same numbers.
+"""A coordinator replica's metrics through Ray's metrics, so that a dashboard covers every replica:
+`ray.serve.metrics` tags each series with the application, deployment and replica, and every node's Ray
+metrics endpoint exports the replicas on that node (Ray prefixes the names: `ray_dllm_...`); summed over
+`replica`, a series is the whole deployment's. The series are the ingress /metrics' (workers/metrics.py
+names them): counters and gauges copied from the coordinator's stats every EXPORT_S (a counter grows by
+what it grew since the last copy), histograms observed as the coordinator observes them.
 """
 from __future__ import annotations
 

@@ -1,29 +1,13 @@
 """Admission, slots and the end of requests: pure python (no torch, no ray).
 
-The coordinator's step: `command = scheduler.schedule(); events = shards.execute(command);
-scheduler.apply(events)`. A command runs at most max_steps_per_command steps, fewer when its slots
-surely need fewer (their steps_left bounds, model/phases.py): no longer than the slot that needs the
-most, and, while requests wait for a slot, no longer than the slot that needs the fewest. Events must
-be applied in the order their commands were scheduled, but
-schedule() may run ahead of apply() (the coordinator keeps the next command queued at the shards while
-the current one runs, so they never wait for a round trip): a slot's blocks from commands scheduled
-before its current request was admitted belong to the slot's previous occupant and are ignored, like
-blocks for slots that no request holds. A command scheduled ahead (`schedule(ahead=True)`) is made
-only when it admits a request or some request can still run after the commands in flight (a slot that
-finishes with them idles through it), and not when a slot frees with them while requests wait and no
-slot is free (admitting them right after is sooner); its size leaves out the slots that finish first.
+    command = scheduler.schedule(); events = shards.execute(command); scheduler.apply(events)
 
-Requests come in bursts: a client sends several at once, and clients that each send their next request
-when the last ends send theirs together when their requests ended together. A burst's first request
-would start a command of max_steps_per_command steps (and the one queued behind it) alone, and the rest
-would start that much later, so their rows would share fewer passes to the end, and again in every later
-round. So while a burst may be arriving the commands are short (`admission_steps`): a command that
-admits requests, the one queued behind it, and a command in which a request's step bound ends (within
-the commands in flight or a short command: its slot is where the next request goes). A request of a
-burst that arrives while they are in flight starts at most two short commands after the burst's first.
-This holds while no request waits (a free slot would take it at once) and while the rows that go on
-running fill at most half the slots: beyond that a late row's steps share the passes of the rows that
-run anyway, and short commands would only add host synchronisations (one a command).
+A command runs at most max_steps_per_command steps, fewer when its slots surely need fewer (their
+steps_left bounds, model/phases.py). schedule() may run ahead of apply() (the coordinator keeps the next
+command queued at the shards); blocks for a slot from commands scheduled before its current request was
+admitted belong to the previous occupant and are ignored. While a burst of requests may be arriving,
+commands are short (`admission_steps`), so a burst's later requests share its first one's passes. The
+rules and why: docs/design.md, "The step loop".
 """
 from __future__ import annotations
 
@@ -41,9 +25,9 @@ from workers.request import Request, RequestOutput
 # The seed of a request at temperature 0 that gives none, so that its output never depends on when it came
 # or what ran before it: masked diffusion draws no noise at temperature 0 anyway, while DiffusionGemma's
 # canvases start as uniform noise and are renoised at any temperature, and this makes that noise the same
-# every time (README, "temperature").
+# every time (docs/spec.md section 9).
 TEMPERATURE_0_SEED = 0
-# A short command's steps while a burst of requests may be arriving (the module's docstring): the rest of a
+# A short command's steps while a burst of requests may be arriving (docs/design.md): the rest of a
 # burst then starts at most 2 x 2 steps behind its first request, against 2 x max_steps_per_command.
 ADMISSION_STEPS = 2
 

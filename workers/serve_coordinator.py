@@ -1,15 +1,11 @@
 """The Coordinator as a Ray Serve deployment: one replica = one model instance = one placement group
-`[{"CPU": 1}] + [shard bundle] * tp` (bundle 0 holds this replica, bundles 1..tp its shards; a shard's
-bundle is `{"GPU": 1}`, or on CPUs `{"CPU": shard_cpus}`). Serve creates the group before the replica
-starts; the ingress watches it while it is pending (deployments/placement.py).
+`[{"CPU": 1}] + [shard bundle] * tp` (bundle 0 holds this replica, bundles 1..tp its shards: `{"GPU": 1}`,
+or `{"CPU": shard_cpus}` on CPUs; Serve creates the group before the replica starts).
 
-Its constructor starts the shards: they load their weights, capture their CUDA graphs and compile their
-updates (model/runner.py Runner.warm_up) before Serve counts the replica as running, so nothing is
-captured or compiled while it serves; until then the ingress answers 503, warming up.
-
-Its streaming `generate` yields plain dicts so that errors reach the ingress as data, not as
-exceptions re-wrapped by Ray: {"output": RequestOutput} or {"error": kind, "message": ..., "param": ...}
-(`param`: the request's field at fault, or None).
+Its constructor starts the shards, which load their weights, capture their CUDA graphs and compile their
+updates before Serve counts the replica as running; until then the ingress answers 503. Its streaming
+`generate` yields plain dicts, {"output": RequestOutput} or {"error": kind, "message": ..., "param": ...},
+so that errors reach the ingress as data, not as exceptions re-wrapped by Ray.
 """
 from __future__ import annotations
 

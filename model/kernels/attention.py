@@ -1,36 +1,11 @@
-"""Attention over a slot's KV cache read in place, its mask computed from the rows' metadata.
+"""Attention over a slot's KV cache read in place (CUDA): model.attention.cached_attention's gather and
+masked SDPA without the gather or a mask tensor, each query's keys decided from its row's (slot, start,
+length, causal), the sliding window and the ring.
 
-model.attention.cached_attention gathers each row's keys (`cache_k[slots, :kv_len]`) and hands SDPA a
-materialised boolean mask; this kernel reads the cache where it lies and decides from (slot, start,
-length, causal) which keys each query sees. For a row of width L starting at position `start` with
-`length` real tokens (end = start + length), query i (position q = start + i; a padding query when
-i >= length) attends to key position p iff
-
-  lo <= p < end                              keys that exist: lo = 0, or for a ring of R positions
-                                             max(0, start + L - R) (the ring holds the last R)
-  and (p < start or not causal or p <= q)    the prefix; a causal row's own keys up to itself
-  and (no window or i >= length              sliding layers: padding queries keep the full row,
-       or p > anchor - W)                    anchor = q (causal rows) or start (bidirectional rows)
-
-which is model.graphs.device_context's `mask` / `window_mask` and model.attention.ring_view's ring
-mask. Key p lives at cache[slot, p] (cache[slot, p mod R] for a ring); a prefill passes the step's own
-keys as a cache of B slots (slot b = row b).
-
-One program per (block of (query, head-of-group) pairs, kv head, key split): a kv head's G query heads
-share its key tiles (GQA by indexing, no repeat). Each program walks only the key blocks its queries
-can see: [first position any of them sees, last + 1), from a multiple of the key tile, cut into
-`splits` equal pieces when there are few programs (flash-decoding); the splits' partial softmax
-states are combined in split order. Scores and sums accumulate in fp32. Compiled, the key loop runs over
-the loaded range itself, so triton pipelines the key and value loads (cp.async into `num_stages`
-buffers; an `if` around them, as the interpreter's constexpr trip count needs, left every load
-synchronous on sm_90); both loops share one block step (`_key_block`).
-
-Batch invariance (`invariant=True`): tiles from the head dim alone and one split. A row's query
-blocks are then its own (a block never mixes requests), its key blocks sit at multiples of the key
-tile, and a fully masked block leaves the softmax state's bits unchanged, so a row's output does not
-depend on its neighbours.
-
-Tiles and splits come from timings on an H200 (`_config`).
+One program per (block of (query, head-of-group) pairs, KV head, key split) walks only the key blocks its
+queries can see; splits (flash-decoding) fill idle SMs and are combined in split order. With `invariant`
+the tiles come from the head dim alone and there is one split, so a row's output does not depend on its
+neighbours. The mask rule, the pipelined key loop and the tiles: docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -50,11 +25,10 @@ COMBINE_VALUES = 4096
 
 
 # (query rows, keys, warps, pipeline stages) per program by head dim, for one row / for several (or
-# batch-invariant mode): timed on an H200 at batch 1 and 4 (32 queries over 1088 keys at head dim 128;
-# a 256-token canvas over DiffusionGemma's ring of 1279 at 256 and its 1280-2048 keys at 512, where the
-# fp32 accumulator [rows, 512] bounds the rows). The lone-canvas tiles at 256 and 512 were last chosen
-# in one CUDA graph of a 26B-A4B step's 30 attention calls, each layer its own cache: 1557 us against
-# 1637 with (128, 64, 8, 3) / (64, 32, 8, 1) at 1280 keys, 1728 against 1860 at 2048 (2026-12-04).
+# batch-invariant mode), timed at the served shapes: the 8B's 32-position canvases at head dim 128,
+# DiffusionGemma's 256-token canvas over its sliding ring at 256 and its full layers' keys at 512 (where
+# the fp32 accumulator [rows, 512] bounds the rows); the lone-canvas tiles at 256 and 512 in one CUDA
+# graph of a 26B-A4B step's 30 attention calls (benchmarks/attention_bench.py times them)
 TILES = {128: ((32, 64, 4, 2), (64, 64, 4, 2)), 256: ((128, 64, 8, 2), (128, 32, 8, 2)),
          512: ((64, 64, 8, 1), (64, 32, 8, 2))}
 
@@ -64,8 +38,7 @@ def _config(d: int, rows: int, batch: int, hkv: int, keys: int, device: torch.de
     """(query rows, keys, warps, stages, splits) per program for `batch` x `hkv` kv heads of `rows`
     (query, head) pairs each over up to `keys` keys: TILES' first for a lone row, the second otherwise;
     keys split only while the programs are at most half the SMs, into as many splits as fit the SMs
-    once (more make a second wave: 8 splits of a lone canvas at 256 took 66 us against 4's 46.5) and
-    >= MIN_SPLIT_KEYS keys each. Invariant: the second tiles whatever the batch, and one split.
+    once (more make a second wave, which costs more than the splits save) and >= MIN_SPLIT_KEYS keys each. Invariant: the second tiles whatever the batch, and one split.
     fp32 operands (`itemsize` 4) take twice a tile's shared memory: half the rows and keys, one stage
     (at head dim 512 the bf16 tiles would ask 256-384 KiB of the H200's 227; tests/hopper_kernels.py)."""
     bm, bn, warps, stages = TILES[next(t for t in TILES if d <= t)][1 if invariant or batch > 1 else 0]

@@ -2,10 +2,9 @@
 
     out[t] = sum_j  w[t, j] * y[slot[t, j]]        j = 0 .. k-1 in order, in fp32, rounded once
 
-y holds the (token, expert) pairs' outputs sorted by expert, slot[t, j] where token t's j-th pair
-went. Torch needs a scatter back to token order and a batched weighted sum for this (on an H200 a
-copy and a bmm of 256 x 8 x 2816 took 47 us a layer, 1.4 ms of a 24.6 ms 26B step). Each token's sum
-is its own, in a fixed order: batch-invariant.
+y holds the (token, expert) pairs' outputs sorted by expert, slot[t, j] where token t's j-th pair went.
+The kernel reads them where they lie, where torch needs a scatter back to token order and a batched
+weighted sum. Each token's sum is its own, in a fixed order: batch-invariant.
 """
 from __future__ import annotations
 

@@ -1,60 +1,12 @@
-"""The top-k / top-p filters' thresholds in triton (CUDA): model.sampling.filters' radix select, over
-the raw logits' order-preserving keys.
+"""The top-k / top-p filters' thresholds in triton (CUDA): model.sampling.filters' radix select, run over
+the raw logits' order-preserving keys (16 bits for bf16, 32 for fp32) instead of the decided values',
+which the values' non-decreasing map from the logits makes equivalent.
 
-The values filters are decided on, v = softcap(x) (DiffusionGemma) or x / T (masked diffusion), are a
-non-decreasing function of the raw logit x, so the k-th largest v is v(the k-th largest x), and the
-largest v-threshold reaching a top-p mass is v(the largest x-threshold reaching it). The search runs
-over the keys of x in its own precision: 16 bits for bf16 logits (four passes of four bits), 32
-otherwise. Keys are unsigned (the float's order-preserving bits with the sign bit flipped), so a key
-minus a prefix never overflows int32 arithmetic. A pass is one launch over (row position, split of the
-vocabulary slice): it first picks the digit the previous pass's totals decided (every split of a row
-reads the same totals, so all agree), then totals its split's entries at or above 16 candidates
-prefix + d << shift. Between passes, with tensor parallelism, one SUM all-reduce makes the totals global.
-In all:
-
-    maxima  one read of every filtered row: each CACHE_TILE tile's largest logit, and per row asking
-            top-k the bound L (below: a bisection over the maxima's keys)
-    top-k   BITS/4 count passes
-    top-p   BITS/4 mass passes over the top-k survivors; the first also gives the normaliser, the
-            last counts keys
-    finish  the thresholds v(x_t), -inf for rows asking neither
-
-about a dozen launches whatever the batch asks (plus the normaliser's rescaling, a few small torch
-ops); a row that asks for neither filter exits every pass at once. The threshold is computed by
-`decided_value`, the code the statistics kernels (model/kernels/vocab_stats.py) apply to every entry, so
-the entry x_t always passes its own threshold.
-
-Why the passes are cheap (each should cost little more than reading what it reaches once):
-  - a count pass does not compare every entry with 16 candidates: it bins each entry by its digit,
-    (key - prefix) >> shift clamped to "above" (bin 0: below the prefix or past the slice), and takes
-    one 32-bin tl.histogram per tile (warp ballots on the GPU); the candidates' counts are the
-    histogram's suffix sums, once per program.
-  - a mass pass needs a sum of probabilities per digit, which a histogram cannot weight: it
-    accumulates a [16, BLOCK] tile, candidates along the first axis, so that each lane holds all 16
-    candidates of its own entries and the per-entry work (tanh, exp, the key) is done once per entry
-    (with the candidates along the last axis, triton spreads them over lanes and every lane redoes the
-    per-entry work of the entries it shares).
-  - except the last (KEY_MASS): its 16 digits are single keys, and a key is one value with one
-    probability, so it takes a count histogram like a count pass and multiplies each key's count by the
-    key's probability, 16 exps a program instead of a tanh and an exp an entry. Its totals leave out the
-    mass past its 16 keys, which the earlier passes already summed: the total of the latest pass whose
-    digit was not its largest, at the candidate after it (_mass_past, added where the finish decides).
-  - no pass of its own for the normaliser log sum exp(v): mass pass 0's candidate 0 (prefix 0: every
-    survivor) is that sum. Pass 0 cannot divide by a normaliser it is computing, so it sums exp(v - ref),
-    ref the split's largest surviving value, known beforehand from the tile maxima (v is
-    non-decreasing); normalise_first_pass then combines the splits' (ref, sum) pairs by rescaling (over
-    the ranks too: a MAX and a SUM all-reduce) and rescales pass 0's totals to the normaliser.
-  - passes skip a tile from its maximum logit alone: an entry counts in no candidate below the pass's
-    prefix, and no entry of a tile survives top-k when its largest value does not (v is non-decreasing).
-    They know that maximum before reading the tile (the maxima read above), so a skipped tile costs
-    neither its read nor the latency of a load (per rank: each keeps the maxima of its own slice).
-  - top-k passes skip from the start, not only once the prefix has narrowed: the k-th largest of a
-    row's tile maxima, L, is a lower bound of its k-th largest logit (the k largest maxima are k
-    entries), so tiles whose maximum is below L hold no survivor. Skipping them undercounts only
-    candidates at or below L, which reach k anyway (every entry >= L is counted), so every pass picks
-    the digit it would have picked; with tensor parallelism each rank's own L bounds the global k-th
-    the same way. For k = 40 this leaves about 40 of a row's 512 tiles (262,144 entries) to read after
-    its first read.
+A first launch reads each filtered row's tile maxima; then count passes find the top-k logit and as many
+mass passes the top-p one, each totalling 16 candidate digits per split (one SUM all-reduce between
+passes under tensor parallelism), and a finish maps them to thresholds with `decided_value`, the code
+the statistics kernels apply to every entry, so an entry always passes its own threshold. Why each pass
+costs about one read of what it reaches (histograms, tiles skipped from their maxima): docs/kernels.md.
 """
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
-"""FP8-dynamic matmuls on Hopper (model/fp8.py's arithmetic): activations arrive already quantized per
-row (xq float8_e4m3fn, sx [rows] fp32; model.fused quantizes them in their producer's kernel), weights
-are float8_e4m3fn with one fp32 scale per output channel, and the scales meet in the fp32 epilogue:
+"""FP8-dynamic matmuls on Hopper (model/fp8.py's arithmetic), the scales applied in the fp32 epilogue:
 
     y[m, n] = (sum_k xq[m, k] Wq[n, k]) * sx[m] * sw[n],   rounded once to the output dtype
 
-  scaled_linear   a dense layer: cuBLAS's FP8 GEMM with row-wise scales (torch._scaled_mm); for a few
-                  rows through a weight deeper than twice its width (the down projections), our split-K
-                  kernel (model.kernels.invariant.matmul), which spreads the long K over more SMs
-  scaled_grouped  the experts over rows sorted by expert: our triton grouped kernel (model.kernels.invariant's,
-                  with FP8 operands: it reads each pair's token row in place and streams the weights). The
-                  served experts' weights are chunked for its tiles at load (ChunkedWeight), and then it
-                  runs at every batch; over a dense weight, CUTLASS's grouped FP8 GEMM
-                  (torch._scaled_grouped_mm) takes more than FEW_ROWS_PER_EXPERT rows an expert
-
-All are CUDA-graph capturable (no host sync, fixed grids). cuBLAS and CUTLASS pick their tiling from the
-problem's shape, so with `invariant` (the batch-invariant mode) both run model.kernels.invariant's
-fixed-order kernels with FP8 operands instead.
+scaled_linear: cuBLAS's FP8 GEMM, or our split-K kernel for a few rows through a deep weight (the down
+projections). scaled_grouped: the experts through our triton grouped kernel, which reads each pair's
+token row in place and, once the weights are chunked for its tiles at load, runs at every batch; a dense
+weight with many rows an expert goes to CUTLASS. All capturable in CUDA graphs; with `invariant` the
+fixed-order kernels of model.kernels.invariant run instead. Why: docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -26,9 +17,9 @@ import torch
 from model.kernels.invariant import FP8_GROUPED_TILES, ChunkedWeight, Tiles, grouped_matmul, matmul
 
 
-# rows up to which a weight with K >= 2 N goes to the split-K kernel: the 8B's down projection (4096 x
-# 14336) at 32 rows took 33.8 us there against cuBLAS's 46.6 (H200, benchmarks/fp8_gemm_bench.py); at 128
-# rows the two were even, and for the other projections cuBLAS was as fast or faster
+# rows up to which a weight with K >= 2 N goes to the split-K kernel: there it beat cuBLAS on the 8B's
+# down projection (4096 x 14336), at 128 rows the two were even, and on the other projections cuBLAS was
+# as fast or faster (benchmarks/fp8_gemm_bench.py)
 SPLIT_K_ROWS = 32
 
 

@@ -1,26 +1,13 @@
 """Batch-invariant kernels in triton: a row's result is the same bits whatever else is in the batch.
 
-cuBLAS, grouped_mm and torch's reductions pick their tiling, split-K and reduction trees from the
-whole problem's shape, so the same row rounds differently at batch 1 and at batch 16. Every kernel
-here fixes its reduction order from what a row alone determines:
+  matmul          y = x W^T in fixed tiles, K walked in order; the K-splits depend on W's shape (and the
+                  SM count) alone and are summed in split order
+  grouped_matmul  the experts' y_i = x_i W_{e(i)}^T over rows sorted by expert, the same tiles within
+                  each expert's rows, no split-K; the weight dense or chunked for the tiles (ChunkedWeight)
+  row_sum         a sum (or sum of squares) over the last dim, one program per row in fixed-width chunks
 
-  matmul          y = x W^T. One program per (64-row, 128-column, K-split) tile, K walked in 64-wide
-                  chunks in order; the number of K-splits depends on W's shape (and the GPU's SM count)
-                  only, never on the rows, and the splits' fp32 partials are summed in split order.
-  grouped_matmul  the experts' y_i = x_i W_{e(i)}^T over rows sorted by expert: the same tiles within
-                  each expert's rows (no split-K), so a row's sum never depends on how many rows its
-                  expert got. The weight dense [E, N, K] or chunked for the tiles (ChunkedWeight: each
-                  tile's step of K one contiguous read; the FP8 experts' layout once loaded).
-  row_sum         sum (or sum of squares) over the last dim, one program per row in fixed-width chunks.
-
-matmul and grouped_matmul also take FP8-dynamic operands (model/fp8.py): FP8 rows with a scale each and
-an FP8 weight with a scale per output channel, multiplied on FP8 tensor cores into fp32, the two scales
-applied to each tile (each K-split) before it is stored:
-    y[m, n] = (sum_k xq[m, k] Wq[n, k]) * sx[m] * sw[n]
-The same tiles and order, so just as invariant (model.kernels.fp8 runs them for the FP8 layers). The
-FP8 products are summed in fp32 chunk by chunk (`_imprecise_acc`).
-
-model.batch_invariant decides when they run; this module only computes.
+Both matmuls also take FP8-dynamic operands, the scales applied to each tile before it is stored.
+model.batch_invariant decides when they run; why the order is fixed this way: docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -46,17 +33,15 @@ class Tiles(NamedTuple):
     swap: bool = False
 
 
-# measured on an H200 (bf16): within 5-15% of cuBLAS at 32 rows, 1.3-1.7x its time at 256-512 rows
-# (64-row tiles: 1.7-2.3x there), as near as a fixed tile gets to shape-tuned kernels
+# as near to cuBLAS's shape-tuned tiles as one fixed tile gets across batch sizes (128-row tiles lose less
+# than 64-row ones at hundreds of rows)
 MATMUL_TILES = Tiles(128, 128, 64, 8, 3)
-# the experts at DiffusionGemma's batch 1-2 (16-32 rows per expert): 0.89x grouped_mm's time
+# tuned for the experts at DiffusionGemma's batch 1-2 (16-32 rows per expert), where it beats grouped_mm
 GROUPED_TILES = Tiles(64, 128, 64, 8, 3)
 # FP8 operands: 128 K a step (FP8 MMAs are 32 deep); the dense ones not tuned. The grouped tiles (the FP8
 # experts, which read their weights chunked for them: ChunkedWeight) are 64 K a step, one warpgroup, 6
-# stages: on an H100 (2026-12-06, benchmarks/fp8_experts_bench.py) the best or within 1% of the best of the
-# sweep at 256-4096 tokens for both projections, chunked; gate_up + down a layer 274 us at 1 canvas and 748
-# at 16 against the previous tiles' (64, 128, 128, 4, 4) 277 and 851, chunked, and 295 and 798 dense
-# (README.md, "FP8 on one H200")
+# stages: the best of benchmarks/fp8_experts_bench.py's sweep for both projections at DiffusionGemma's
+# shapes, from one canvas to many
 FP8_MATMUL_TILES = Tiles(128, 128, 128, 8, 3)
 FP8_GROUPED_TILES = Tiles(64, 128, 64, 4, 6)
 MAX_SPLITS = 8

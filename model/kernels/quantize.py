@@ -1,22 +1,11 @@
 """FP8-dynamic activations quantized per row in the kernel that produces them (model/fp8.py's rounding):
-one program per row reads the row once, computes its producer (a residual add, an RMS norm, a gated
-activation, or nothing), then the row's scale and its FP8 values:
+one program per row reads the row once, computes its producer (a residual add and RMS norm, Gemma's
+norm, a gated activation, or nothing), then the row's scale and its FP8 values:
 
-    y      = producer(x)                                  the unfused function's roundings to x's dtype
-    scale  = max(absmax(y) / 448, 1 / (448 * 512))        fp32
-    q      = fp8(clamp(y / scale, +-448))                 an IEEE division, rounded to nearest even
+    scale = max(absmax(y) / 448, 1 / (448 * 512)),   q = fp8(clamp(y / scale, +-448))   (IEEE division)
 
-    producer   NORM      GATE   RESIDUAL
-    rows       none      none   -          the attention's output (no kernel of ours produces it)
-    rms        ministral none   optional   Nemotron-LD's norms: w * (h / rms(h)), h = x (+ residual)
-    gemma_rms  gemma     none   -          DiffusionGemma's: (h / rms(h)) * w in fp32, rounded once
-    silu_mul   none      silu   -          x = [gate | up] -> silu(gate) * up
-    gelu_mul   none      gelu   -          the same with gelu(tanh)
-
-Inductor compiled these chains (dynamic shapes) into looped, sometimes split reductions that took
-15-19 us for a [256, 4096] row set on the H200 (2 MB read), longer than the FP8 GEMMs they feed; a row
-per program with the whole row in registers reads it once. A row's result depends on that row alone,
-in a fixed order: batch-invariant. Rows up to MAX_ROW wide; model.fused keeps inductor's chain beyond.
+A row's result depends on that row alone (batch-invariant). Rows up to MAX_ROW wide; model.fused keeps
+inductor's chain beyond. Why a row a program: docs/kernels.md.
 """
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
-"""DiffusionGemma's routing in triton: what torch does in about twenty small kernels a layer (softmax,
-top-k, renormalisation, a radix sort of the (token, expert) pairs, counts, their scan, the grouped
-kernel's tile map twice, the inverse permutation) in three launches.
+"""DiffusionGemma's routing in triton: three launches where torch takes about twenty small kernels a layer.
 
   route       per token: softmax of the router's scores in fp32, the k largest (ties: the lower id),
               renormalised to sum 1, each times its expert's scale.
-  sort_pairs  the pairs t * k + j sorted by expert, stably (pairs of one expert in pair order, as a
-              stable argsort): per-chunk counts, then each chunk's program sums the counts itself (all
-              chunks' for the experts' starts, the earlier chunks' for its own offsets) and places its
-              pairs, and writes its share of the grouped kernel's tile map (expert and first row of each
-              BM-row tile). No single-program scan between the launches; deterministic: no atomics.
-
-Each token's routing is its own: batch-invariant.
+  sort_pairs  the pairs t * k + j sorted by expert, stably, in two launches: per-chunk counts, then each
+              chunk's program sums the counts it needs itself, places its pairs and writes its share of
+              the grouped kernel's tile map. No atomics: deterministic; each token's routing is its own.
 """
 from __future__ import annotations
 

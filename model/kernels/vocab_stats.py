@@ -1,22 +1,11 @@
-"""The sampler's passes over the vocabulary in triton (CUDA): model.sampling.stats' partials in one read
-of each rank's logits slice, and the self-conditioning probabilities in one read and one write.
+"""The sampler's passes over the vocabulary in triton (CUDA), `TRITON_PASSES`: model.sampling.stats'
+partials in one read of each rank's logits slice, the self-conditioning probabilities in one read and
+one write, and the scored rows' rank counts and top-k keys in one read.
 
-One program per (position, split of the vocabulary slice) streams its split in BLOCK-wide tiles and
-keeps, online (rescaled as its maximum grows): the greedy and Gumbel maxima as order-preserving int64
-keys, and the five sums of exponentials (softmax normalisers and entropy numerators of u and of
-s = u / T, and of s rounded to the embedding dtype) relative to its own maximum. The raw logits are
-read in their own dtype; the softcap, the filter threshold, the temperature and the counter-based
-Gumbel noise (the same hash as model.sampling.noise, bit for bit) are applied in registers. The
-number of splits depends only on the slice width, never on the batch, so a row's statistics do not
-depend on its neighbours. model.sampling.stats.combine merges splits and ranks.
-
-Every path computes u and s as torch does (model.sampling.filters): s = u / T IEEE-rounded
-(`tl.div_rn`), the softcap as tanh(x * (1 / c)) * c with 1 / c rounded on the host (torch's CUDA
-division by a Python scalar multiplies by its reciprocal; torch's `unscaled` multiplies everywhere).
-Triton's `/` is an approximate division whose vector and scalar forms can differ by an ulp, and then an
-entry's s and its own maximum's (or the filter's threshold, model/kernels/filters.py) disagree. With
-top_k 1 at T = 0.7 that made the kept entry's exp(s - max) < 1 and its logprob positive (up to 7.6e-6,
-on an H100), and could leave a threshold above its own maximum.
+One program per (position, split of the slice) keeps online maxima as order-preserving keys and five
+sums of exponentials; the softcap, threshold, temperature and Gumbel noise are applied in registers and
+rounded as torch rounds them (an IEEE division, the softcap's reciprocal from the host). Splits depend on
+the slice width alone, so a row's statistics do not depend on its neighbours. Design: docs/kernels.md.
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """Linear layers built already sharded (Megatron-style), each parameter carrying its own
-`weight_loader(param, source[, shard_id])` that reads only this rank's slice of a checkpoint tensor.
-
-`source` is anything indexable with a tuple of slices and carrying `.shape` (a torch tensor, or the
-loader's lazy safetensors slice), so a rank never materialises a whole checkpoint tensor. A loader
-checks the whole tensor's shape before it reads its slice.
-
-Built with `fp8=True` (model/quant_config.py says which), a linear holds its weight as float8_e4m3fn
-plus `weight_scale` [out, 1], one scale per output channel, and multiplies through model.kernels.fp8 where
-its activations allow (model.fp8.kernels_take), else through model.fp8's reference. Its scales
-are sharded as its rows are: split with them in column-parallel layers (each of q/k/v's or gate/up's
-rows to where its weight rows go, replicated KV heads included), whole in row-parallel ones.
+`weight_loader(param, source[, shard_id])` that checks the whole tensor's shape and reads only this
+rank's slice (`source`: a tensor, or the loader's lazy safetensors slice, so no rank materialises a
+whole checkpoint tensor). Built with `fp8=True` (model/quant_config.py says which), a linear holds
+float8_e4m3fn weights and a `weight_scale` [out, 1], sharded as its rows are (split in column-parallel
+layers, replicated KV heads included; whole in row-parallel ones), and multiplies through
+model.kernels.fp8 where its activations allow (model.fp8.kernels_take), else through model.fp8.
 """
 from __future__ import annotations
 

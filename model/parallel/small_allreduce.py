@@ -1,28 +1,10 @@
-"""A one-shot all-reduce over symmetric memory for small messages (CUDA, NCCL groups).
-
-At batch 1 a step of the 8B does 68 all-reduces of a few hundred KiB; NCCL's latency at that size
-(~10-20 us each) is most of what a second GPU would save. A one-shot all-reduce is one kernel: every
-rank copies its part into a buffer the others can read (torch symmetric memory: peer-mapped device
-memory, no multicast), waits at a barrier on the buffers' signal pads, and reads and adds every rank's
-part itself. torch.ops.symm_mem.one_shot_all_reduce_out does this for sum in bf16 and fp32 (its load
-order is the rank order for world sizes 2, 4 and 8; still, batch-invariant mode keeps its own ordered
-path, model/parallel/group.py).
-
-Everything is allocated once when the group starts (the buffer sized for the largest small message,
-and a scratch output), so a call allocates nothing and can be captured in a CUDA graph. Messages it
-does not take (larger, another op or dtype, a byte count not a multiple of 4) go through NCCL.
-
-Multicast (NVLS) stays off: `disable_multicast` sets NCCL_NVLS_ENABLE=0,
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 in a shard process before its process
-group starts, and nothing here calls the multimem ops or cuMulticastCreate.
-
-The kernel waits for its peers without a timeout: a stuck peer stalls it, as it would stall NCCL until
-its watchdog. A shard group's command timeout then fails the command and its processes are killed
-(workers/ray_shards.py), which ends the kernel with them.
-
-`DLLM_SMALL_ALLREDUCE=0` in the shards' environment turns the path off; `DLLM_SMALL_ALLREDUCE_BYTES`
-sets the largest message it takes (default 2 MiB: a batch-1 forward's all-reduce of both the 8B,
-hidden 4096 x canvas 32 x bf16 = 256 KiB, and the 26B-A4B, 2816 x 256 x 2 B = 1.4 MiB).
+"""A one-shot all-reduce over symmetric memory for small messages (CUDA, NCCL groups): every rank copies
+its part into a peer-mapped buffer, waits at a barrier and adds every part itself, in one kernel
+(torch.ops.symm_mem.one_shot_all_reduce_out: sums in bf16 and fp32). Buffers are allocated once when the
+group starts, so a call allocates nothing and can be captured; other messages go through NCCL.
+Multicast (NVLS) stays off (`disable_multicast`, before any process group starts). The kernel waits for
+its peers without a timeout; the shard group's command timeout bounds a stuck one. DLLM_SMALL_ALLREDUCE=0
+turns the path off, DLLM_SMALL_ALLREDUCE_BYTES sets its largest message (default 2 MiB). Why: docs/kernels.md.
 """
 from __future__ import annotations
 

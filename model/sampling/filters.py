@@ -1,22 +1,12 @@
 """Temperature and candidate filters on vocabulary-sharded logits (docs/spec.md 3.1-3.2), without sorting.
 
-`scaled = logits / T` (T = 1 for greedy rows, so greedy logprobs are those of the model's own
-distribution); top-k and top-p are decided on the values a family decides them on (masked diffusion:
-`scaled`; DiffusionGemma: the softcapped logits, before its temperature) and become one threshold per
-position: a row keeps the entries >= its threshold (-inf: no filter), in the scaled and the unscaled
-logits alike.
-
-A threshold is an entry's own value, found by a radix select over the values' order-preserving
-integer keys, four bits a pass, from the top:
-
-    top-k   the k-th largest value: the largest key t with count(keys >= t) >= k (ties at it kept)
-    top-p   the largest value t with mass(values >= t) >= p under softmax over the top-k survivors
-
-Each pass counts (or sums the probability of) the entries at or above 16 candidate keys on this rank's
-slice, one SUM all-reduce makes the counts global, and the largest candidate that still reaches the
-target fixes the next four bits. No sort, no gather of candidates across ranks: every rank finds the
-same threshold a single rank would. The passes here are torch's (CPU); model/kernels/filters.py runs
-the same search in triton on CUDA, over the raw logits' own keys (16 bits for bf16, 32 for fp32).
+Top-k and top-p are decided on the values a family decides them on (masked diffusion: logits / T;
+DiffusionGemma: the softcapped logits, before its temperature) and become one threshold per position: a
+row keeps the entries at or above it (-inf: no filter), in the scaled and unscaled logits alike. A
+threshold is an entry's own value, found by a radix select over the values' order-preserving integer
+keys, four bits a pass from the top: each pass totals (counts, or sums of probability) the entries at or
+above 16 candidate keys on this rank's slice, and one SUM all-reduce makes the totals global. The passes
+here are torch's (CPU, and the reference); model/kernels/filters.py runs the search in triton on CUDA.
 """
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """Uniform-noise diffusion with self-conditioning: DiffusionGemma's sampler (docs/spec.md 4), on
 vocabulary-sharded logits, following transformers' generation_diffusion_gemma.py.
 
-Per denoise step n of N, for R rows of [C] canvas positions (u: the softcapped logits):
-    scaled    = filter(u) / T,  T = t_min + (t_max - t_min) * max(N - n, 1) / N
-    sample    = argmax(scaled + Gumbel)                         (the request's own counter-based noise)
-    argmax    = argmax(scaled)
-    H         = entropy(softmax(scaled)) per position
-    accepted  = the longest prefix of positions sorted by H ascending with cumsum(H) - max(H) <= bound
-    canvas'   = accepted ? sample : uniform random token over the whole vocabulary
-    converged = (argmax unchanged over stability_threshold + 1 steps and mean(H) < confidence) or n + 1 >= N
-    soft'     = softmax(scaled) @ W_embed * sqrt(hidden)        (next step's self-conditioning input)
-The commit feeds and emits the argmax canvas. The statistics (max, sums, entropy, both argmaxes) come
-from one pass over each rank's slice (model.sampling.stats); every rank computes the same decisions
-from their all-reduced combination and identical noise; nothing here reads a device value on the host.
+One denoise step of R rows: the scheduled temperature, the Gumbel-max sample and the argmax of the
+filtered, softcapped logits over T, their entropies, entropy-bound acceptance, the next canvas (accepted
+samples, fresh uniform tokens elsewhere), convergence, and this rank's slice of softmax(logits / T) for
+the next step's self-conditioning (sum_r P_r W_r, one all-reduce). The statistics come from one pass over
+each rank's slice (model.sampling.stats); every rank computes the same decisions from their all-reduced
+combination and identical noise, and nothing here reads a device value on the host.
 """
 from __future__ import annotations
 

@@ -1,28 +1,13 @@
-"""Per-position statistics of vocabulary-sharded logits, in one pass over each rank's slice
-(docs/spec.md 3.1-3.4, 4.1-4.4, 6, 7): everything a denoise, commit, draft, verify or AR decision reads.
+"""Per-position statistics of vocabulary-sharded logits in one pass over each rank's slice (docs/spec.md
+3.1-3.4, 4.1-4.4, 6, 7): the greedy argmax and the Gumbel-max sample, the log-normalisers and entropies
+of softmax(u) and softmax(s = u / T), the self-conditioning normaliser and the sampled token's raw logit
+(u: the softcapped or raw logits in fp32, filtered entries -inf).
 
-For R rows of P positions and this rank's slice x [R, P, V_r] of the raw LM-head output (any dtype):
-
-    u = softcap(x) (DiffusionGemma) or x, in fp32; filtered entries (u or s below the row's threshold) -inf
-    s = u / T                      T = the row's temperature, 1 for greedy rows
-    greedy   = argmax u            the lowest global id among equal maxima
-    sample   = argmax (s + G)      G: Gumbel noise of the row's (seed, draw counter); = greedy for greedy rows
-    lse_u, lse_s                   log-normalisers of softmax(u) and softmax(s)
-    entropy_u, entropy_s           entropies of softmax(u) and softmax(s)
-    lse_soft                       log-normaliser of softmax(round(s)) in the embedding dtype: the
-                                   self-conditioning probabilities (transformers rounds the logits first)
-    x_sample                       x[sample] as fp32 (the sampled token's raw logit)
-
-A pass produces partial statistics of a piece of the vocabulary: two maxima as order-preserving int64
-keys `(value bits) << 32 | (2^32 - 1 - id)` (the larger value wins, then the lower id) and five sums
-of exponentials relative to the piece's own maximum. Pieces are the splits of the triton kernel
-(model/kernels/vocab_stats.py) and the ranks of the tensor-parallel group; they combine the same way:
-one MAX all-reduce of the keys, then one SUM all-reduce of the sums rescaled to the global maximum
-(plus the sampled token's logit, which exactly one rank holds). Nothing vocabulary-wide is gathered,
-and no piece's result depends on other rows: the statistics are batch-invariant by construction.
-
-The passes here are the torch reference (every device; CPU's path). On CUDA the triton kernels compute
-the same partials and probabilities (`passes=model.kernels.vocab_stats.TRITON_PASSES`).
+A pass over a piece of the vocabulary yields two maxima as order-preserving int64 keys (the larger value,
+then the lower id) and five sums of exponentials relative to the piece's own maximum. Pieces (a kernel's
+splits, the ranks) combine in one MAX and one SUM all-reduce; nothing vocabulary-wide is gathered, and no
+row's result depends on another's. The torch passes here are the reference (CPU's path); CUDA runs
+model.kernels.vocab_stats' TRITON_PASSES.
 """
 from __future__ import annotations
 

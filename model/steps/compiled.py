@@ -1,26 +1,12 @@
 """A step kind's state update as one torch.compile'd function on CUDA.
 
-After its forward and sampler, a canvas step decides every phase for every row and writes the slots'
-state, the command's outputs and its counters: about a hundred gathers, wheres, scatters and small
-reductions over [B, C] tensors, each its own kernel of a few microseconds in the step's CUDA graph.
-Compiled (inductor, dynamic shapes, no graph break allowed) they are a handful of fused kernels. The
-update holds no collective and no host read, so it compiles whole; the forward, the sampler's vocabulary
-passes and the all-reduces stay outside it.
-
-An update compiles on its first call with a new kind of plan (one row or several; scores or none):
-15-40 s on the H200 with a cold cache (inductor's on-disk cache makes a restart compile less). A served
-step must not stall that long, so a shard compiles before it serves: `Runner.warm_up` runs every CUDA
-graph of the closed set (model/graphs.py) once, whose plans need four variants (one row and several,
-scored and not), and then `freeze`s: from then on a plan with no compiled update (an eager step's exact
-plan) runs it as written (the same results). A compiled masked step computes every reveal policy and
-the early stop for all rows (each row keeps its own), and k comes from the scores' shape, so the
-variants serve every mix of options.
-Without a warm-up (the in-process Engine, tests) every new kind of plan compiles on first use, up to
-dynamo's limit of variants per function (8), which freezes it the same way.
-
-Should compiling fail, the update runs as written from then on, and says so once in the log.
-Batch-invariant mode runs it as written (its ordered scans are triton kernels of their own).
-`DLLM_COMPILE_UPDATES=0` in the shards' environment turns compiling off.
+After its forward and sampler a canvas step decides every phase for every row and writes the slots'
+state, the outputs and the counters: about a hundred small ops, which inductor fuses into a handful of
+kernels (no collective and no host read inside, so it compiles whole). A compile takes many seconds, so
+a shard compiles before it serves: `Runner.warm_up` runs every graph of the closed set, whose plans need
+four variants, then `freeze`s; a plan without a compiled variant then runs as written (the same results).
+Should compiling fail, the update runs as written and says so once; the batch-invariant mode runs it as
+written; DLLM_COMPILE_UPDATES=0 in the shards' environment turns compiling off. docs/design.md, "CUDA graphs".
 """
 from __future__ import annotations
 

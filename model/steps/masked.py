@@ -1,20 +1,12 @@
-"""Canvas-wide rows of masked diffusion (docs/spec.md 3: denoise, commit) and linear speculation (docs/spec.md 5:
-draft, verify), for Nemotron-Labs-Diffusion: one forward over every row's canvas, causal for commit and
-verify rows, then every phase's decisions computed for all rows and kept where the row is in that phase.
-Device ops only: a step reads its rows' phases on the device, so several run without the host.
+"""Canvas-wide rows of masked diffusion (docs/spec.md 3: denoise, commit) and linear speculation
+(docs/spec.md 5: draft, verify) for Nemotron-Labs-Diffusion: one forward over every row's canvas, causal
+for commit and verify rows, then every phase's decisions computed for all rows and kept where the row is
+in that phase. Device ops only, so several steps run without the host.
 
-AR rows (docs/spec.md 5) may ride along (the runner decides, model/runner.py): a causal row whose position 0
-is its last token, so that a batch of canvas and AR rows reads the weights once a step, not twice.
-Position 0 attends to the same keys as the AR step's one-token row, and its noise is keyed by position
-(model/sampling/noise.py), so it samples the token the AR step would; positions 1.. are computed and
-ignored (their KV lies past the row's length, where the next step writes).
-
-    denoise  x0 = the sampler's pick; reveal by the row's policy; converged -> commit
-    commit   emit the canvas (up to a clean EOS's trailing masks); the last position's prediction seeds
-             the next canvas; stop at max_tokens or an EOS -> done
-    draft    argmax canvas with position 0 the seed -> verify
-    verify   accept the draft's prefix causal greedy agrees with; the next seed is the prediction after it
-    ar       emit position 0's prediction; stop at max_tokens or an EOS -> done
+AR rows may ride along (the runner decides): a causal row whose position 0 is its last token, so canvas
+and AR rows read the weights once a step. Position 0 sees the keys the AR step's one-token row sees and
+its noise is keyed by position, so it samples the token the AR step would; positions 1.. are computed
+and ignored (their KV lies past the row's length, where the next step writes).
 """
 from __future__ import annotations
 

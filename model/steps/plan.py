@@ -1,18 +1,12 @@
-"""What a step computes, decided on the host once per command: its rows, the keys they may read, and
-which of the sampler's optional passes run. A step's code depends only on its plan (and its rows'
-device state), so a plan is also the key of the step's CUDA graph.
+"""What a step computes, decided on the host once per command: its rows, the keys they may read, and which
+of the sampler's optional passes run. A step's code depends only on its plan (and its rows' device
+state), so a plan is also the key of the step's CUDA graph.
 
-Every per-request option (temperature, top-k, top-p, reveal policy, threshold, entropy bound, mode,
-early stop, drafts, the number of alternatives) is a per-slot device value that every row reads
-(model/slots.py); a pass that a row did not ask for leaves that row's results as they would be without
-it. So one plan can serve any mix of options, and two kinds of plan exist:
-
-    exact  (plan_rows)    the passes some row asks for, and no more: eager steps (CPU, tests, and the
-                          rare step outside the captured set)
-    graph  (graph_plan)   every pass on, rows padded to a capture size, and of the scores only whether
-                          any row asks: the few plans CUDA graphs are captured for (model/graphs.py)
-
-Both give every row the same tokens and scores (tests/test_graph_plans.py).
+Every request option is a per-slot device value every row reads (model/slots.py), and a pass a row did
+not ask for leaves that row's results as they would be without it. So one plan serves any mix of
+options: `plan_rows` (exact: the passes some row asks for; eager steps) and `graph_plan` (every pass on,
+rows padded to a capture size, scores on or off: the captured graphs) give every row the same tokens and
+scores (tests/test_graph_plans.py).
 """
 from __future__ import annotations
 

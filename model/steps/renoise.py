@@ -2,15 +2,10 @@
 the per-slot state only that family has: the previous argmax canvas and stability run, the next step's
 self-conditioning signal, and each request's schedule knobs.
 
-    start    a canvas of uniform random tokens, no self-conditioning signal (one draw)
-    denoise  the renoise sampler (model.sampling.renoise) keeps accepted samples and renoises the rest;
-             soft' = softmax(logits / T) @ W * sqrt(H) feeds the next step; on convergence the argmax
-             canvas is put in place, scored by that step's distribution -> commit; a canvas that ends
-             the request (max_tokens reached, or an EOS in it) is emitted at once -> done: its commit's
-             forward would only write KV that no step reads
-    commit   emit the canvas; stop at max_tokens or an EOS -> done, else start the next canvas
-
-One forward over every row (causal for commit rows), device ops only, like the masked family's step.
+One forward over every row (causal for commit rows), device ops only. A denoise step runs the renoise
+sampler and computes the next signal; on convergence the argmax canvas is put in place, scored by that
+step's distribution. A converged canvas that ends the request is emitted at once (its commit's forward
+would only write KV nothing reads); otherwise its commit emits it and starts the next canvas.
 """
 from __future__ import annotations
 
