@@ -1,23 +1,12 @@
 """DiffusionGemma 26B-A4B's attention at one canvas, on the GPU host: the served call
-(model.kernels.attention.attention: its key splits and their combine) per layer kind, and the split
-combine alone at its served tiles against the attention program's (what it ran at before 219a5b6), and
-the libraries' attention kernels on the same problem (`libraries_us`).
+(model.kernels.attention.attention: its key splits and their combine) per layer kind (LAYERS), the call
+at each of SWEEP's tiles, the split combine alone at its served tiles against the attention program's
+(`same_bits`), and the libraries' attention kernels on the same problem (`libraries_us`: SDPA's
+FlashAttention-2, cuDNN and memory-efficient backends, flex_attention), each compared with the served
+output. Each call is the mean of 200 replays in one CUDA graph; `step_us` weighs the layer kinds as a
+step runs them. docs/benchmarking.md says more.
 
     PYTHONPATH=. python3 benchmarks/attention_bench.py [--json FILE]
-
-A sliding layer (16 query heads over 8 kv heads of 256, the ring of W - 1 + C = 1279 positions) and a
-full one (16 over 2 of 512) at 1280 and 2048 keys, one 256-token denoise row (bidirectional), bf16.
-Each call is the mean of 200 replays in one CUDA graph (benchmarks/fp8_gemm_bench.time_us); a step runs
-25 sliding and 5 full layers, so `step_us` weighs them so. `tiles_us`: the call at each of SWEEP's
-tiles (key splits as the served tiles' rule gives them; a tile that does not fit reports why). The two
-combine tiles must give the same bits (a row's result does not depend on its tile): `same_bits`.
-
-`libraries_us`: the same attention through torch's SDPA backends (FlashAttention-2, cuDNN, the
-memory-efficient kernel; GQA by `enable_gqa`, and with the kv heads repeated, which some backends need)
-and flex_attention compiled, each over the row's visible keys laid out as SDPA reads them
-(`library_problem`: a canvas row with a full ring sees every ring position, and softmax does not care
-about their order); each backend's time, or why it cannot run the shape, and its largest difference from
-the served output (`*_rel_diff`, relative to the output's largest value).
 """
 from __future__ import annotations
 

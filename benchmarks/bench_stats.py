@@ -1,16 +1,10 @@
 """What one benchmark run measured, and the report `serve_bench` prints (the sections of `vllm bench serve`).
 
-Definitions (all times from the client's clock, per request, from sending the request):
-  TTFT   time to the first streamed chunk that carries output: a chunk with choices, also when its
-         text is "" (tokens that decode to no text, such as special tokens, still arrived), as vLLM's
-         benchmark counts.
-  ITL    inter-token latency, per *chunk*: the gap between consecutive chunks that carry output. A
-         diffusion server streams one chunk per committed canvas (a whole block of tokens), so an ITL
-         here is the time between blocks, not between tokens.
-  TPOT   time per output token excluding the first: (end-to-end - TTFT) / (output tokens - 1).
-  E2EL   end-to-end latency, to the end of the stream.
-The Diffusion Decoding block sums each request's `usage.diffusion` (docs/spec.md section 8); committed
-throughput = committed tokens / benchmark duration.
+All times from the client's clock, per request: TTFT to the first streamed chunk that carries output
+(also when its text is "", as vLLM's benchmark counts); ITL the gap between such chunks, which on a
+diffusion server is one committed canvas, not one token; TPOT (end-to-end - TTFT) / (output tokens - 1);
+E2EL to the end of the stream. The Diffusion Decoding block sums each request's `usage.diffusion`
+(docs/spec.md section 8); committed throughput = committed tokens / benchmark duration.
 """
 from __future__ import annotations
 

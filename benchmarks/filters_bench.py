@@ -1,35 +1,12 @@
 """Times the filters' thresholds (model/kernels/filters.py triton_threshold) on CUDA and checks them
-against model.sampling.filters.torch_threshold on the same input (allclose rtol 1e-6, the same -inf rows).
+against model.sampling.filters.torch_threshold on the same input (allclose rtol 1e-6, the same -inf rows):
+DiffusionGemma canvases and Nemotron blocks (SHAPES) under each of ASKS (`traffic`: each row's options
+drawn from the built-in mix, what a served step of the mixed phase carries). --against FILE times another
+version of the kernel's module beside it on the same inputs (e.g. an older commit's filters.py), --sweep
+its module constants (SWEEP), --profile its kernels in launch order, --tiny small shapes (also on the CPU
+under TRITON_INTERPRET=1). Prints a table; writes JSON to --json. docs/benchmarking.md says more.
 
-Shapes: DiffusionGemma canvases [R, 256, 262144] bf16 (softcap 30, decided before the temperature) and
-Nemotron blocks [R, 32, 131072] in fp32 and bf16 (decided on x / T). Each shape runs four asks:
-
-    mixed    row r: top_k (40, 0, 499, 1, 17, 5, 100)[r % 7], top_p (0.9, 1, 0.5)[r % 3],
-             temperature (1, 0.7, 0)[r // 3 % 3]
-    k40p0.9  every row top_k 40 and top_p 0.9
-    p0.9     every row top_p 0.9 alone (the whole vocabulary carries mass)
-    none     no row asks a filter
-    traffic  each row's temperature, top_k and top_p drawn from the built-in mix of benchmarks/traffic.py
-             (benchmarks/request_mix.py, seed 0): the asks a served step of the mixed phase carries
-
-The kernel this one replaced (16 comparisons an entry and pass, candidates along the tile's last axis)
-is model/kernels/filters.py at commit bfc66c6; the README's table has both, from one run of this script
-when it still carried a copy of it. --against FILE times another version of the kernel's module (a
-filters.py anywhere, e.g. an older commit's, loaded under its own name) beside it in the same run, on
-the same inputs, and checks it against torch too (columns against_ms and speedup = against_ms / ms).
---sweep times the kernel under each of SWEEP's settings of its module constants (tile and split sizes,
-warps) on SWEEP_CASES (with --tiny: the --shapes given, at the first of --asks), each checked against
-torch. The variants the kernel dropped (count passes by 16 comparisons an entry instead of a histogram;
-a split's tile maxima loaded at once instead of a tile's as it comes) are timed with --against on the
-module as it was before (`git log -1 -S PRELOAD_MAXIMA -- model/kernels/filters.py` names the commit
-that removed them: its parent's filters.py has both, behind HISTOGRAM and PRELOAD_MAXIMA). --profile lists each case's kernels in launch order with their
-device times (torch.profiler) and the GPU's idle time between them. --tiny runs small shapes, also on
-the CPU under TRITON_INTERPRET=1 (a smoke test of this script). Prints a table; writes JSON to --json
-(default $OUT/filters_bench.json when $OUT is set).
-
-    PYTHONPATH=. python benchmarks/filters_bench.py [--sweep]
-    git show 583aadc:model/kernels/filters.py > /tmp/filters_old.py   # the kernel before its tile-max cache
-    PYTHONPATH=. python benchmarks/filters_bench.py --against /tmp/filters_old.py
+    PYTHONPATH=. python benchmarks/filters_bench.py [--sweep] [--profile] [--against FILE] [--json FILE]
 """
 from __future__ import annotations
 

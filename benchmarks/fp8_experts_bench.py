@@ -1,16 +1,11 @@
-"""DiffusionGemma 26B-A4B's FP8 experts on the GPU host: our triton grouped kernel (model.kernels.invariant's,
-FP8 operands, as GemmaExperts.scaled runs it) at a sweep of tile shapes, and CUTLASS's grouped FP8 GEMM
-(torch._scaled_grouped_mm), for each projection (gate_up [128, 1408, 2816] over the tokens' rows, read in
-place; down [128, 2816, 704] over the pairs' rows) at 1, 4, 8 and 16 canvases (256-4096 tokens, top-8 of
-128 experts: 16-512 rows an expert), against the FP8 weight-read floor at --bandwidth. The triton kernel
-reads the weight dense (SWEEP) and chunked for its tiles (CHUNKED_SWEEP), as the served experts do.
+"""DiffusionGemma 26B-A4B's FP8 experts on the GPU host: our triton grouped kernel (as GemmaExperts runs
+it, FP8 operands) at a sweep of tiles over the dense weight (SWEEP) and the weight chunked for its tiles
+(CHUNKED_SWEEP, the served layout), and CUTLASS's grouped FP8 GEMM (torch._scaled_grouped_mm), per
+projection at 1-16 canvases with the served routing, against the FP8 weight-read floor at --bandwidth.
+Each call is the mean of 50 replays in one CUDA graph; each tile's output is compared with the served
+tiles' (anything above a few 1e-3 is a bug, not rounding).
 
     PYTHONPATH=. python3 benchmarks/fp8_experts_bench.py [--json FILE]
-
-The routing is the served one (model.kernels.routing over random router scores). Each call is timed as
-the mean of 50 replays in one CUDA graph (benchmarks.fp8_gemm_bench.try_us). Each tile's output is
-compared with the served tiles' (max |a - b| / max |a|): tiles change only where the MMAs split K, so
-anything above a few 1e-3 is a bug, not rounding.
 """
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
 """Dense FP8 GEMMs at few rows, on the GPU host: cuBLAS's FP8 GEMM (torch._scaled_mm), what the served
-FP8 dense layers run (model.kernels.fp8.scaled_linear: cuBLAS's, or the split-K kernel where it wins),
-model.kernels.invariant's split-K matmul with FP8 operands (the batch-invariant mode's), and cuBLAS's
-BF16 GEMM, at one family's projection shapes (`--family`): the 8B's four at 32 / 128 / 512 rows (batch 1,
-4 and 16 canvases of 32), DiffusionGemma 26B-A4B's six (sliding and full layers' attention, the dense
-MLP) at 256 / 1024 rows (1 and 4 canvases); against the FP8 weight-read floor at --bandwidth.
+FP8 dense layers run (model.kernels.fp8.scaled_linear: cuBLAS's, or the split-K kernel where it wins), the
+batch-invariant split-K matmul with FP8 operands, and cuBLAS's BF16 GEMM, at one family's projection
+shapes, against the FP8 weight-read floor at --bandwidth; `--sweep` also times the triton FP8 matmul's
+tiles and K-splits. Each call is the mean of 200 replays in one CUDA graph; the two FP8 kernels are
+compared (they sum in different orders: a few 1e-3 is expected, a wrong scale is ~1).
 
     PYTHONPATH=. python3 benchmarks/fp8_gemm_bench.py [--family diffusion-gemma] [--sweep] [--json FILE]
-
-`--sweep` also times the triton FP8 matmul at each of SWEEP_TILES x SWEEP_SPLITS (`triton_sweep_us`, the
-fastest named in `triton_best`): what a per-shape choice for the served dense layers would be made from.
-
-Each call is timed as the mean of 200 replays inside one CUDA graph (after 10 warm-up calls), which
-hides launch gaps as the served step's graphs do. The two FP8 kernels are also compared with each other
-(max |a - b| / max |a|): they sum in different orders, so a few 1e-3 is expected, a wrong scale is ~1.
 """
 from __future__ import annotations
 

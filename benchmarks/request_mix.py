@@ -1,23 +1,9 @@
 """Per-request options drawn from a distribution: traffic as users send it, not one option set for all.
 
-A mix is a list of JSON objects, one per line of a JSON-lines file (blank lines skipped). A line is one
-kind of request; each request draws its line (by `weight`), then every field of that line:
-
-    {"weight": 2, "prompt_len": {"uniform": [16, 300]}, "max_tokens": {"choice": [32, 64, 128]},
-     "temperature": {"choice": [0, 0.7, 1]}, "top_k": {"choice": [0, 40, {"uniform": [1, 499]}]},
-     "logprobs": {"choice": [null, 0, 5]}, "diffusion.mode": "ar"}
-
-  weight      relative frequency of the line (a number > 0; default 1)
-  prompt_len  prompt tokens (required; whole numbers >= 1)
-  max_tokens  the request's max_tokens (required; whole numbers >= 1)
-  any other   a request body field, dotted for a nested object (`diffusion.policy` -> {"diffusion":
-              {"policy": ...}}); not `model`, `prompt` or the streaming fields, which the client sets
-A field's value is a constant (any JSON but an object; null leaves the field out, the server's
-default), {"choice": [v, ...]} (one of the values, equally likely; a value may itself be a choice or a
-uniform), or {"uniform": [lo, hi]} (whole numbers lo..hi inclusive when both are integers, else a
-float in [lo, hi)). Draws depend only on the seed.
-
-The built-in mixes, NAMES, are the options of issue 23's observation (one line each):
+A mix is a JSON-lines file, one kind of request per line: its `weight`, `prompt_len` and `max_tokens`
+(required) and any request field (dotted for a nested one: `diffusion.mode`), each a constant, a
+{"choice": [...]} or a {"uniform": [lo, hi]} (docs/benchmarking.md has the grammar). Draws depend only
+on the seed. The built-in mixes, NAMES, carry every option a user may send to each family:
 `python -m benchmarks.request_mix nemotron-ld` prints one as JSON lines, to copy and edit.
 """
 from __future__ import annotations

@@ -1,37 +1,13 @@
-"""The GPU roofline benchmark (`make bench` on the GPU host): every ratio of the README's speed table
-from ONE run on one GPU, dummy weights in bf16.
+"""The GPU roofline benchmark (`make bench`): the ratios of docs/performance.md's speed tables from ONE
+run on one GPU, dummy weights.
 
-  P1  bare per-forward time / weight-read floor at batch 1: Nemotron-LD 8B (canvas 32) and
-      DiffusionGemma 26B-A4B (canvas 256). The floor is the bytes one forward must read (every weight
-      once; of an untied input embedding only its rows) over the copy bandwidth measured in this run.
-  P2  served (HTTP -> Coordinator -> ShardWorker) denoising-step rate / the bare runner's, 8B, batch 1
-      (the median of 3 requests after a warm-up); with the shards' busy time of each request (from the
-      coordinator's stats), which splits a gap into the runner's own time and the control plane's
-  P3  our committed tok/s / transformers' DiffusionGemmaForBlockDiffusion.generate on the 26B-A4B shape,
-      batch 1, canvas 256, 16 forced steps, 1024-token prompt, 256 and 768 new tokens
-  P4  committed tok/s at 16 concurrent requests / at 1 (8B, canvas 32)
-  SC  DiffusionGemma step time with self-conditioning / without (TP = 1; as P1 for it, the medians of
-      5 requests each, alternating)
-  BI  batch-invariant mode's step time / the default's (8B at batch 1 and 16; 26B-A4B at batch 1, as
-      its P1: the median of 5 requests over the default's median)
-plus torch.profiler's top kernels of a step of each family (DiffusionGemma's with and without
-self-conditioning, and the kernels whose time differs between the two: what SC's extra time is).
-  FP8 both families' FP8-dynamic shapes: P1 over the FP8 weight-read floor, FP8 / BF16 step times (the
-      BF16 runner measured again beside it), both FP8 steps' profiles; and in T, the seed
-      workload served on the FP8 DiffusionGemma at concurrency 1 and 4 (target >= 1,600 tok/s at 1)
-  T   speed under real traffic, per family, from benchmarks/traffic.py (a served full-size shape as a
-      subprocess, from its cold start): mixed / homogeneous committed tok/s at concurrency 8, p99 /
-      median request latency under the mix, graphs captured after ready, GPU memory after the mixed
-      phase minus after warm-up, the seed workload's tok/s at concurrency 1, 2, 4, 8 (about 4-5
-      minutes per family; its JSON and server log beside --out)
-  P5  with more than one GPU (skipped otherwise, the reason in the JSON): per-forward time TP = 1 / TP = 2
-      of both families at batch 1 and 16 / 4 canvases, the all-reduce share of a TP = 2 step from its
-      profile (benchmarks/tp_bench.py)
+    python3 -m benchmarks.roofline [--out result.json] [--results-dir DIR] [--skip served,transformers,...]
 
-    python3 -m benchmarks.roofline [--out result.json] [--skip served,transformers,profile,invariant,traffic,fp8,tp]
-
-e.g. `--skip bf16,nemotron,traffic,tp`: DiffusionGemma's FP8 rows alone (its BF16 twin timed beside them,
-the FP8 step's profile), a few minutes.
+P1 step / weight-read floor, P2 served / bare step rate, P3 ours / transformers' generate, P4 batching,
+SC self-conditioning's cost, BI batch-invariant mode's cost, FP8 both families' FP8-dynamic steps
+against their floor and their BF16 twins, T speed under real traffic (benchmarks/traffic.py), P5 tensor
+parallelism (two GPUs), and step profiles. docs/benchmarking.md defines each row and what --skip takes;
+e.g. `--skip bf16,nemotron,traffic,tp` times DiffusionGemma's FP8 rows alone.
 """
 from __future__ import annotations
 

@@ -2,22 +2,13 @@
 
     python -m benchmarks.serve_bench --base-url http://127.0.0.1:8000 --num-prompts 64 \\
         --max-concurrency 1,4,16 --random-input-len 256 --random-output-len 128 --ignore-eos \\
-        --tokenizer ~/.cache/dllm-serve/tiny-nemotron-ld --save-result result.json
+        [--mix nemotron-ld] [--save-result result.json] [--results-dir benchmarks/results]
 
-Sends `--num-prompts` streamed completions (`stream: true` with `stream_options.include_usage`) of
-random prompts, at most `--max-concurrency` at a time and, with `--request-rate`, arriving as a
-Poisson process (default: all at once). A comma list of concurrencies runs one benchmark per value on
-the same prompts. Per run it prints the Serving Benchmark Result (throughput; TTFT, TPOT, ITL
-percentiles) and, when the server reports `usage.diffusion`, a Diffusion Decoding block. ITL is
-measured per streamed chunk, which on a diffusion server is one committed block; TPOT per token (the
-definitions are in benchmarks/bench_stats.py). `--save-result` writes every figure of every run with
-the arguments as JSON; `--plot` (default: beside the JSON) draws throughput and latency against
-concurrency (skipped where matplotlib is missing). Needs the `bench` extra (`pip install -e '.[bench]'`).
-
-Every request has the same options unless `--mix` draws each request's prompt length, max_tokens and
-options from a distribution (benchmarks/request_mix.py): a built-in mix per family, or your own file.
-
-    python -m benchmarks.serve_bench --mix nemotron-ld --num-prompts 64 --max-concurrency 8 --ignore-eos
+Streamed requests of random prompts (or drawn per request from a mix: benchmarks/request_mix.py), at most
+--max-concurrency in flight, one run per value of a comma list. Per run: the Serving Benchmark Result
+(throughput; TTFT, TPOT and ITL percentiles, ITL per streamed chunk: one committed block on a diffusion
+server) and, when the server reports `usage.diffusion`, a Diffusion Decoding block. Needs the `bench`
+extra. docs/benchmarking.md has every option.
 """
 from __future__ import annotations
 
@@ -51,7 +42,8 @@ DEFINITIONS = {
     "committed_throughput": "committed tokens (usage.completion_tokens of requests with usage.diffusion) / duration",
 }
 MIX_HELP = ("draw each request's prompt length, max_tokens and options: a built-in mix (" + ", ".join(NAMES) +
-            ": issue 23's options for that family) or a JSON-lines file, one kind of request per line, e.g. "
+            ": every option a user may send to that family) or a JSON-lines file, one kind of request per line, "
+            "e.g. "
             '{"weight": 1, "prompt_len": {"uniform": [16, 300]}, "max_tokens": {"choice": [32, 128]}, '
             '"temperature": {"choice": [0, 1]}, "diffusion.mode": "ar"}: weight (default 1) picks the line, '
             "prompt_len and max_tokens are required, every other key is a request field (dotted for nested); "

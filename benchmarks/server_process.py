@@ -1,13 +1,9 @@
 """A dllm-serve server as a subprocess of any checkout, and what a client reads of it from outside.
 
-`ServerProcess` runs `scripts/serve_local.py` of a source tree (cwd and PYTHONPATH set to it), so the
-same client can measure an older checkout ("before") and the current one ("after"). Its output goes
-to a log file, each line stamped with the seconds since the start. `wait_ready` records the cold-start
-timeline: the first answer of `GET /health`, the first 503 (a server that says it is warming up), the
-first 200, the ready line, the first successful completion. `stop` always ends the server and its Ray:
-SIGTERM (serve_local then shuts Serve and Ray down), then SIGKILL to its process group (Ray's
-processes stay in the driver's group) once it exits or the bound passes.
-
+`ServerProcess` runs `scripts/serve_local.py` of a source tree (so the same client can measure an older
+checkout and the current one), logs its output stamped with the seconds since the start, records the
+cold-start timeline (`wait_ready`: the first 503, the first 200, the ready line, the first completion)
+and always ends the server and its Ray (`stop`: SIGTERM, then SIGKILL to its process group).
 `gpu_memory_mib` (nvidia-smi; None off-GPU) and `scrape_metrics` (/metrics) are the outside views the
 traffic measurement and the GPU soak sample.
 """
@@ -29,7 +25,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 READY_LINE = "dllm-serve is ready"   # what serve_local prints once the weights are loaded
-# the metrics of CUDA graphs while serving (absent on servers older than issue 23: None)
+# the metrics of CUDA graphs while serving (None on a server without them)
 GRAPH_METRICS = ("dllm_eager_steps_total", "dllm_graph_captures_total", "dllm_cuda_graphs",
                  "dllm_cuda_graph_memory_bytes")
 # the runner's step counters: batched forward passes and the rows they carried (passes: absent before it),

@@ -1,20 +1,10 @@
-"""The least time a step can take at a batch size, from its work alone: each part of a forward takes at
-least its bytes over the memory bandwidth or its FLOPs over the tensor cores' rate, whichever is longer,
-and the parts run one after another. Its point is the best batching a GPU allows: a step of c canvases
-against one, c x t(1) / t(c), is the most a server's throughput at concurrency c can gain over 1.
+"""The least time a step can take at a batch size, from its work alone, without a GPU: each part of a
+forward (experts, dense, head, attention) takes at least its bytes over the memory bandwidth or its FLOPs
+over the tensor cores' rate, the parts one after another, the model built from the full-size shapes as
+fake tensors. A step of c canvases against one, c x t(1) / t(c), is the most a server's throughput at
+concurrency c can gain over 1. docs/benchmarking.md has each part's bytes and FLOPs.
 
-    parts        bytes read                                   FLOPs
-    experts      the experts a batch's tokens reach           2 x expert params x top_k / experts x T
-    dense        every other linear weight                    2 x params x T
-    head         the head (and for self-conditioning the      2 x V x H x T each
-                 embedding again, for P W)
-    attention    each row's keys and values, per layer        4 x T x keys x heads x head_dim, per layer
-
-T is the tokens a step computes (rows x canvas length). Weights count at their stored bytes (FP8: one,
-but the head, embedding and self-conditioning, which FP8-dynamic checkpoints keep in BF16); FP8 GEMMs at
-twice the BF16 rate. The model is built from the full-size shapes as fake tensors: no weights, no GPU.
-
-    python -m benchmarks.step_bound [--tflops 750] [--tbps 4.3] [--keys 2048]
+    python -m benchmarks.step_bound [--tflops 750] [--tbps 4.3] [--keys 2048] [--results-dir DIR]
 """
 from __future__ import annotations
 

@@ -1,52 +1,14 @@
-"""Speed under real traffic (issue 23), measured from the client, from ONE cold start of the server.
+"""Speed under real traffic, measured from the client, from ONE cold start of a served full-size shape.
 
-    python -m benchmarks.traffic --family nemotron-ld|diffusion-gemma [--server-tree PATH] [--out FILE]
+    python -m benchmarks.traffic --family nemotron-ld|diffusion-gemma [--server-tree PATH] [--warm-restart]
 
-Writes the family's full-size shapes (benchmarks/shapes.py) under --work and starts
-`scripts/serve_local.py model=DIR load_format=dummy max_num_seqs=8 port=P` of --server-tree (default:
-this checkout; an older checkout measures "before" with the same client) as a subprocess, its output
-logged with timestamps. Then, in order:
-
-  cold start   seconds to the first GET /health 200 (and to its first 503, which a server warming up
-               answers), to serve_local's ready line, to the first successful completion
-  warm-up      --warmup-requests with the mix's prompt lengths and max_tokens, no other option
-  homogeneous  --requests with the mix's prompt lengths and max_tokens, no other option
-  matched      only where the mix draws `diffusion` options (Nemotron-LD's mode and policy): the same
-               prompts and max_tokens with those alone, no sampling or logprob option; it parts what
-               the mix asks the model to compute (an AR row, another reveal policy) from what the
-               options cost an engine that treats them as data
-  mixed        the same prompts and max_tokens with the mix's options (--mix; default: the family's
-               built-in, benchmarks/request_mix.py)
-  seed         the family's seed workload: one request alone (its warm-up, reported apart), then at
-               each of --seed-levels, --seed-rounds x level requests
-  warm start   with --warm-restart: the server stopped and started again on the caches the cold start
-               filled, seconds to GET /health 200 and to a first completion
-all at --concurrency but the seed workload, every request streamed with ignore_eos (a phase commits
-the tokens it asks for). The server's inductor and triton caches (TORCHINDUCTOR_CACHE_DIR,
-TRITON_CACHE_DIR) live under --compile-cache, by default a new directory (removed at the end), so the
-cold start is cold whatever the machine compiled before. GPU memory (nvidia-smi; None without one) is
-read after the first completion and after each phase; /metrics' CUDA-graph series
-(`dllm_eager_steps_total`, `dllm_graph_captures_total`, `dllm_cuda_graphs`,
-`dllm_cuda_graph_memory_bytes`; None on a server without them) before and after each phase. The rows
-of issue 23, printed as a table and saved with every figure as JSON:
-
-  mixed / homogeneous committed tok/s             target >= 0.9
-  mixed / matched, matched / homogeneous          (where the mix has a matched phase) the ratio above
-                                                  in two factors: the options' own cost, the modes'
-  p99 / median request latency under the mix      target <= 2
-  graphs captured after ready                     target 0 (dllm_graph_captures_total at the end)
-  GPU memory after the mixed phase - after warm-up   target about 0
-  seed workload tok/s per concurrency, and its ratio to concurrency 1
-  seed workload: ms a pass, rows a pass, and the shards' busy share of its duration (the rest is
-                 the control plane's: HTTP, Serve, the scheduler)
-
-Committed tok/s is a phase's usage.completion_tokens over its duration, of every request (a diffusion
-server emits only committed tokens; bench_stats' committed_throughput counts only the requests that
-report usage.diffusion, which an AR request need not). The seed workloads: DiffusionGemma's is issue
-23's, 1024-token prompts, 1024 new tokens, 16 forced denoising steps (max_denoising_steps 16,
-confidence_threshold 0), entropy bound 0.1; Nemotron-LD's is its analogue defined here, 1024-token
-prompts and 1024 new tokens with the server's default diffusion options. The default counts took about
-5.5 minutes for Nemotron-LD on an H200 (3.8 of them its cold start), 7.1 with --warm-restart.
+Starts scripts/serve_local.py of --server-tree (default: this checkout; an older one measures "before"
+with the same client) on the family's full-size shapes with dummy weights, then times the cold start,
+the homogeneous, matched and mixed phases at --concurrency, the seed workload per concurrency and, with
+--warm-restart, a second start on the caches the first filled. Prints the rows (mixed / homogeneous
+committed tok/s, p99 / median latency, graphs captured after ready, GPU memory, passes, seed tok/s and
+the shards' busy share); saves every figure as JSON (--out) and a result file (--results-dir).
+docs/benchmarking.md says what each phase and row is.
 """
 from __future__ import annotations
 
@@ -336,7 +298,7 @@ def _ms_per_pass(phase: dict | None, passes: float | None) -> float | None:
 
 
 def derive(result: dict, levels: list[int]) -> dict:
-    """Issue 23's rows from the phases measured so far (None where a phase is missing)."""
+    """The rows from the phases measured so far (None where a phase is missing)."""
     phases, seed = result["phases"], result["seed"]
     mixed = (phases.get("mixed") or {}).get("summary")
     last = None   # the latest scrape of the CUDA-graph series
