@@ -24,8 +24,8 @@ $(STAMP): pyproject.toml constraints.txt
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15 tests
 
-# The long ones: a 10-minute soak per family (DLLM_SOAK_S=seconds changes it), 8 shard faults in a row,
-# a 256-way burst, 8000 random schemathesis cases. About 30 minutes on 2 cores; -rP prints their figures.
+# The long ones: a soak per family (DLLM_SOAK_S=seconds sets its length), shard faults in a row, a 256-way
+# burst, random schemathesis cases (docs/testing.md); -rP prints their figures.
 test-reliability: $(STAMP)
 	$(PY) -m pytest -q -m reliability -rP tests
 
@@ -36,7 +36,7 @@ test-gpu:
 # No GPU needed: every triton kernel compiled for an H200 (sm_90) by triton's own compiler and ptxas, over
 # all the calls the served full-size models (and the GPU tests' tiny ones) make, checked against the
 # H200's shared memory, for register spills and for tensor-core MMAs (tests/hopper_kernels.py; `make test`
-# runs its --quick subset). About 10 minutes cold on 2 cores.
+# runs its --quick subset). Long on a cold triton cache.
 compile-h200: $(STAMP)
 	$(PY) -m tests.hopper_kernels $(ARGS)
 
@@ -50,29 +50,28 @@ PORT ?= 8000
 serve: $(STAMP)
 	MODEL="$(MODEL)" TP="$(TP)" PORT="$(PORT)" $(PY) scripts/serve_local.py $(ARGS)
 
-# On the GPU host, like test-gpu: the roofline ratios of the README's speed table from one run (about
-# 6-7.5 minutes on one H200 without the traffic rows, ARGS="--skip traffic"; they add 5-7 minutes a family
-# and a warm restart each,
-# so one call of at most 10 minutes takes ARGS="--skip gemma" or "--skip nemotron"; Ray from the offline bundle).
-# Issue 24's FP8 figures alone (both families' FP8 steps and BF16 twins, the profiles, the served seed
-# workload): ARGS="--skip bf16,tp", 6 minutes on an H100.
+# On the GPU host, like test-gpu (Ray from the offline bundle): the ratios of docs/performance.md's speed
+# tables from one run, and a result file (benchmarks/results.py; $OUT where set). The traffic rows add a
+# cold start and a warm restart a family, so one bounded GPU call takes ARGS="--skip traffic", or one
+# family's rows (ARGS="--skip gemma" or "--skip nemotron"); the FP8 figures alone (both families' FP8 steps
+# and BF16 twins, the profiles, the served seed workload): ARGS="--skip bf16,tp".
 bench:
 	python3 -m benchmarks.roofline $(ARGS)
 
-# On the GPU host, like bench: the FP8 kernels' sweeps that choose tiles for DiffusionGemma (about 2-4
-# minutes, mostly compiles): the experts' grouped kernel per projection at 1-16 canvases, over the dense and
-# the chunked weight (the served layout), against the read floor and CUTLASS, then the dense projections'
-# cuBLAS against the triton matmul's tiles and K-splits,
-# then its lone canvas's attention (pipelined key loop or not, tiles, the split combine's tiles).
+# On the GPU host, like bench: the FP8 kernels' sweeps that choose tiles for DiffusionGemma (mostly
+# compiles): the experts' grouped kernel per projection at 1-16 canvases, over the dense and the chunked
+# weight (the served layout), against the read floor and CUTLASS, then the dense projections' cuBLAS
+# against the triton matmul's tiles and K-splits, then its lone canvas's attention (tiles, the split
+# combine's tiles, the libraries' kernels).
 .PHONY: bench-fp8-kernels
 bench-fp8-kernels:
 	python3 -m benchmarks.fp8_experts_bench
 	python3 -m benchmarks.fp8_gemm_bench --family diffusion-gemma --sweep
 	python3 -m benchmarks.attention_bench
 
-# On the GPU host, like bench: issue 23's rows under real traffic for one family, from one cold start of
-# a served full-size shape (5-7 minutes on one H200). FAMILY=nemotron-ld|diffusion-gemma; TREE=path
-# serves another checkout (before/after with the same client); ARGS= more flags (--help lists them;
+# On the GPU host, like bench: speed under real traffic for one family, from one cold start of a served
+# full-size shape (one GPU call), and a result file. FAMILY=nemotron-ld|diffusion-gemma; TREE=path serves
+# another checkout (before/after with the same client); ARGS= more flags (--help lists them;
 # --warm-restart times a second start on the caches the first filled).
 .PHONY: traffic soak-gpu
 traffic:
@@ -81,7 +80,7 @@ traffic:
 
 # On the GPU host: mixed traffic with streams, drafts, disconnects and one 256-way burst against each
 # family's served full-size shape in turn (FAMILY= one only), DLLM_SOAK_S seconds each (default 240);
-# DLLM_SOAK_WITHIN_S bounds a family's whole run, start included (a cold start took 200-310 s: 560 fits
-# one 10-minute GPU call); 0 errors but the burst's 429s, memory flat.
+# DLLM_SOAK_WITHIN_S bounds a family's whole run, start included, to fit a bounded GPU call. Passes with
+# no error but the burst's 429s, memory flat and every slot free at the end.
 soak-gpu:
 	python3 scripts/soak_gpu.py $(if $(FAMILY),--family $(FAMILY)) $(if $(TREE),--server-tree $(TREE)) $(ARGS)
