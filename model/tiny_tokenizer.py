@@ -1,6 +1,7 @@
-"""Offline, deterministic byte-level BPE tokenizer for tiny random-weight test checkpoints.
+"""Offline, deterministic byte-level BPE tokenizers for the tiny checkpoints.
 
-`build_tiny_tokenizer` trains on the embedded `_CORPUS` and saves a directory that
+`build_tiny_tokenizer` trains on the embedded `_CORPUS` (the random-weight test checkpoints) or on a
+corpus it is given (the trained default model, model/train_tiny.py) and saves a directory that
 `transformers.AutoTokenizer.from_pretrained` loads (tokenizer.json, tokenizer_config.json,
 chat_template.jinja), without touching the HF hub.
 """
@@ -8,6 +9,7 @@ chat_template.jinja), without touching the HF hub.
 from __future__ import annotations
 
 import os
+from typing import Iterable
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -81,8 +83,9 @@ def _filler(i: int) -> str:
 
 def build_tiny_tokenizer(outdir: str | os.PathLike, *, vocab_size: int, special_tokens: dict[int, str],
                          bos_token: str | None, eos_token: str, pad_token: str | None, mask_token: str | None,
-                         chat_template: str) -> None:
-    """Train a byte-level BPE tokenizer of exactly `vocab_size` tokens and save it to `outdir`.
+                         chat_template: str, corpus: Iterable[str] | None = None) -> None:
+    """Train a byte-level BPE tokenizer of exactly `vocab_size` tokens on `corpus` (default: the embedded
+    `_CORPUS`, line by line) and save it to `outdir`.
 
     `special_tokens` are placed at exactly their ids; gaps below the largest id and any room left
     after the learned merges are filled with reserved `<SPECIAL_{id}>` tokens.
@@ -108,7 +111,7 @@ def build_tiny_tokenizer(outdir: str | os.PathLike, *, vocab_size: int, special_
     # The trainer puts the specials first (ids 0..n_special-1), then the byte alphabet, then merges.
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
                                   special_tokens=specials, initial_alphabet=alphabet)
-    tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+    tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True) if corpus is None else corpus, trainer=trainer)
     if tokenizer.get_vocab_size() < n_special + len(alphabet):  # only if the trainer misbehaves
         raise RuntimeError("BPE training produced an incomplete byte alphabet")
     fillers = [_filler(i) for i in range(tokenizer.get_vocab_size(), vocab_size)]
