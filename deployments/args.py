@@ -147,15 +147,8 @@ class AppArgs(ServerDecodeDefaults):
 
 
 def default_model_dir() -> Path:
-    """The embedded default model: a tiny Nemotron-Labs-Diffusion checkpoint written on first use."""
-    from model.tiny import write_nemotron_ld
+    """The default model, shipped with the package: a tiny Nemotron-Labs-Diffusion checkpoint trained on
+    the standard library's docstrings by model/train_tiny.py (served as `tiny-docstrings`)."""
+    import model
 
-    path = DEFAULT_MODEL_CACHE / "tiny-nemotron-ld"
-    if not (path / "config.json").is_file():
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        write_nemotron_ld(tmp)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process won the race; use its copy
-            pass
-    return path
+    return Path(model.__file__).resolve().parent / "checkpoints" / "tiny-docstrings"

@@ -1,4 +1,4 @@
-"""`make serve`: a local Ray with Serve on 127.0.0.1, serving the embedded tiny model or a checkpoint.
+"""`make serve`: a local Ray with Serve on 127.0.0.1, serving the default model or a checkpoint.
 
     python scripts/serve_local.py [model=DIR] [tp=N] [port=P] [FIELD=VALUE ...]
 
@@ -39,8 +39,10 @@ def parse(argv: list[str], env: dict[str, str]) -> tuple[dict, int]:
 
 def curl_examples(base: str, model: str, api_key: str | None) -> str:
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
-    completion = {"model": model, "prompt": "Hello", "max_tokens": 32, "logprobs": 2}
-    chat = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_completion_tokens": 32,
+    # prompts the default model (trained on the standard library's docstrings) answers in words
+    completion = {"model": model, "prompt": "Return the number of items in the", "max_tokens": 32, "logprobs": 2}
+    chat = {"model": model, "messages": [{"role": "user", "content": "What does os.path.join do?"}],
+            "max_completion_tokens": 32,
             "logprobs": True, "top_logprobs": 2, "diffusion": {"policy": "threshold", "threshold": 0.9}}
     return "\n".join(f"  curl {base}/v1/{path} -H 'Content-Type: application/json'{auth} \\\n"
                      f"    -d '{json.dumps(body)}'"
