@@ -1,4 +1,4 @@
-"""Bad input over real HTTP, for both families: a table of known-bad requests (out-of-range and
+"""Bad input to the app, for both families: a table of known-bad requests (out-of-range and
 non-finite numbers, oversized prompts and bodies, token ids out of range, huge integers, deep JSON,
 non-UTF-8 and non-JSON bodies, lone surrogates, wrong content types, OpenAI fields at values not
 implemented, malformed X-Request-Id headers, n and prompt lists beyond the servers' bounds, bad
@@ -6,7 +6,11 @@ implemented, malformed X-Request-Id headers, n and prompt lists beyond the serve
 /v1/completions, /v1/chat/completions, /v1/models/{model_id}, /tokenize and /detokenize
 (schema-violating and valid ones).
 No response is a 5xx; every 4xx has OpenAI's error shape, and `param` names the field whenever the
-body is a JSON object; no input fails a shard; the server answers normally afterwards."""
+body is a JSON object; no input fails a shard; the server answers normally afterwards.
+
+What is under test is the app (its gate, validation and answers), so it runs in this process
+(tests/inprocess.py: the real ingress and coordinator over an in-process shard); the same app's errors
+over Serve's proxy and real HTTP are tests/test_http.py's."""
 import collections
 import json
 
@@ -18,13 +22,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from deployments.app import build_app
 from deployments.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                                   TokenizeCompletionRequest)
 from model.tiny import write_diffusion_gemma
-from tests.serve_harness import assert_openai_error, health, serving
-
-pytestmark = pytest.mark.shared_serve
+from tests.inprocess import inprocess_app
+from tests.serve_harness import assert_openai_error
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 64
@@ -43,19 +45,31 @@ tally = collections.Counter()  # the figures the module reports at its end
 
 @pytest.fixture(scope="module")
 def server(tiny_nemotron, tmp_path_factory):
+    """app name -> a client of the in-process app serving that family."""
     common = dict(served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, max_queue=64,
                   denoising_steps_limit=STEPS_LIMIT, max_body_bytes=BODY_LIMIT, max_n=MAX_N, max_choices=MAX_CHOICES)
     gemma = write_diffusion_gemma(tmp_path_factory.mktemp("tiny-gemma-fuzz"), seed=0)
-    with serving({"nemotron": build_app(dict(common, model=str(tiny_nemotron))),
-                  "gemma": build_app(dict(common, model=str(gemma)))}) as port:
-        yield port
+    with inprocess_app(tiny_nemotron, **common) as nemotron, inprocess_app(gemma, **common) as gemma_client:
+        yield {"nemotron": nemotron, "gemma": gemma_client}
     print(f"\nbad input: {dict(tally)}")
 
 
-def post(port: int, app: str, path: str, body=None, raw: bytes | None = None,
-         content_type: str = "application/json") -> httpx.Response:
-    return httpx.post(f"http://127.0.0.1:{port}/{app}{path}", json=body if raw is None else None,
-                      content=raw, headers={"content-type": content_type} if raw is not None else None, timeout=60)
+def post(clients: dict, app: str, path: str, body=None, raw: bytes | None = None,
+         content_type: str = "application/json", headers: dict | None = None):
+    headers = {**({"content-type": content_type} if raw is not None else {}), **(headers or {})}
+    return clients[app].post(path, json=body if raw is None else None, content=raw, headers=headers or None)
+
+
+def health(clients: dict, app: str):
+    return clients[app].get("/health")
+
+
+def send(client, kwargs: dict):
+    """A request as schemathesis serialises it (requests' keyword arguments), sent through `client`."""
+    headers = {k: v.encode() if isinstance(v, str) else v for k, v in (kwargs.get("headers") or {}).items()}
+    body = {"json": kwargs["json"]} if "json" in kwargs else {"content": kwargs["data"]} if "data" in kwargs else {}
+    assert not kwargs.get("cookies"), kwargs   # the served schema declares none
+    return client.request(kwargs["method"], kwargs["url"], headers=headers, params=kwargs.get("params"), **body)
 
 
 def check_response(r: httpx.Response, path: str, body, headers: dict | None = None) -> None:
@@ -304,8 +318,7 @@ def test_openai_fields_at_their_no_op_values_are_served(server, app, path, body)
 def test_a_malformed_request_id_is_a_400_naming_the_header(server, app, request_id):
     """(UTF-8 bytes: Ray Serve's proxy decodes the header as UTF-8, and answers other bytes with its own
     500 before any app sees the request.)"""
-    r = httpx.post(f"http://127.0.0.1:{server}/{app}{C}", json=OK, timeout=60,
-                   headers={"x-request-id": request_id.encode()})
+    r = post(server, app, C, OK, headers={"x-request-id": request_id.encode()})
     tally["known-bad requests"] += 1
     assert r.status_code == 400, r.text[:300]
     assert_openai_error(r.json(), 400, "X-Request-Id")
@@ -322,10 +335,10 @@ def _served_model(drawn):
     return case
 
 
-def fuzz_post(base: str, path: str, mode: GenerationMode, draw: str, counted_as: str) -> None:
+def fuzz_post(client, path: str, mode: GenerationMode, draw: str, counted_as: str) -> None:
     """POST bodies generated from the served schema of `path` (with or without the served model's name),
     each answered as check_response expects."""
-    schema = schemathesis.openapi.from_dict(httpx.get(f"{base}/openapi.json", timeout=30).json())
+    schema = schemathesis.openapi.from_dict(client.get("/openapi.json").json())
     operation = schema[path]["POST"]
 
     @settings(max_examples=FUZZ_EXAMPLES[draw], deadline=None, database=None, derandomize=draw == "fixed",
@@ -333,7 +346,7 @@ def fuzz_post(base: str, path: str, mode: GenerationMode, draw: str, counted_as:
     @given(case=st.tuples(operation.as_strategy(generation_mode=mode), st.integers(0, 3).map(bool)).map(_served_model))
     def run(case):
         body = case.body if isinstance(case.body, (dict, list, str, int, float, bool)) else None
-        check_response(case.call(base_url=base, timeout=60), path, body, case.headers)
+        check_response(send(client, case.as_transport_kwargs(base_url="")), path, body, case.headers)
         tally[counted_as] += 1
 
     run()
@@ -344,7 +357,7 @@ def fuzz_post(base: str, path: str, mode: GenerationMode, draw: str, counted_as:
 @pytest.mark.parametrize("path", [C, CHAT])
 @pytest.mark.parametrize("app", ["nemotron", "gemma"])
 def test_requests_generated_from_the_served_schema(server, app, path, mode, draw):
-    fuzz_post(f"http://127.0.0.1:{server}/{app}", path, mode, draw, f"generated {mode.value}")
+    fuzz_post(server[app], path, mode, draw, f"generated {mode.value}")
 
 
 @pytest.mark.parametrize("draw", ["fixed", pytest.param("random", marks=pytest.mark.reliability)])
@@ -353,7 +366,7 @@ def test_requests_generated_from_the_served_schema(server, app, path, mode, draw
 def test_tokenizer_requests_generated_from_the_served_schema(server, path, mode, draw):
     """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize, on the family whose
     template writes a generation prompt: never a 5xx; a 4xx names the field."""
-    fuzz_post(f"http://127.0.0.1:{server}/gemma", path, mode, draw, f"generated {path} {mode.value}")
+    fuzz_post(server["gemma"], path, mode, draw, f"generated {path} {mode.value}")
 
 
 @pytest.mark.parametrize("draw", ["fixed", pytest.param("random", marks=pytest.mark.reliability)])
@@ -361,15 +374,15 @@ def test_tokenizer_requests_generated_from_the_served_schema(server, path, mode,
 def test_model_ids_generated_from_the_served_schema(server, mode, draw):
     """GET /v1/models/{model_id} with generated ids (and X-Request-Id headers): the served model's card, or
     an OpenAI-shaped 404 (400 for a malformed X-Request-Id); never a 5xx."""
-    base = f"http://127.0.0.1:{server}/nemotron"
-    schema = schemathesis.openapi.from_dict(httpx.get(f"{base}/openapi.json", timeout=30).json())
+    client = server["nemotron"]
+    schema = schemathesis.openapi.from_dict(client.get("/openapi.json").json())
     operation = schema["/v1/models/{model_id}"]["GET"]
 
     @settings(max_examples=FUZZ_EXAMPLES[draw] // 2, deadline=None, database=None, derandomize=draw == "fixed",
               phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @given(case=operation.as_strategy(generation_mode=mode))
     def run(case):
-        r = case.call(base_url=base, timeout=30)
+        r = send(client, case.as_transport_kwargs(base_url=""))
         tally[r.status_code] += 1
         assert r.status_code in (200, 400, 404), f"{r.status_code} for {case.path_parameters}: {r.text[:300]}"
         if r.status_code == 200:
@@ -379,7 +392,7 @@ def test_model_ids_generated_from_the_served_schema(server, mode, draw):
         tally[f"generated model ids {mode.value}"] += 1
 
     run()
-    r = httpx.get(f"{base}/v1/models/{MODEL}", timeout=30)
+    r = client.get(f"/v1/models/{MODEL}")
     assert r.status_code == 200 and r.json()["id"] == MODEL
 
 
