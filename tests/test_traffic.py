@@ -35,19 +35,47 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
+def _measure(tiny_nemotron, tmp_path, *args: str):
+    mix = tmp_path / "mix.jsonl"
+    mix.write_text(MIX)
+    opts = traffic.parse_args(["--family", "nemotron-ld", "--model", str(tiny_nemotron), "--server-arg", "device=cpu",
+                               "--mix", str(mix), "--seed-rounds", "1", "--seed-prompt-len", "16", "--seed-max-tokens",
+                               "32", "--start-timeout", "150", "--out", str(tmp_path / "traffic.json"),
+                               "--results-dir", "", *args])
+    return opts, traffic.measure(opts)
+
+
+@pytest.mark.timeout(180)
+def test_traffic_smoke_from_a_cold_start(tiny_nemotron, tmp_path):
+    """The bench's launcher, every phase and its rows, at the smallest size (the whole measurement,
+    concurrency 2 and a warm restart, is the reliability tier's, below): every request answered, the rows
+    derived, and the server stopped with its Ray."""
+    opts, result = _measure(tiny_nemotron, tmp_path, "--requests", "2", "--warmup-requests", "1", "--concurrency",
+                            "1", "--seed-levels", "1")
+    cold = result["cold_start"]
+    assert 0 < cold["health_200_s"] <= cold["first_completion_s"] < 150 and cold["model"] == tiny_nemotron.name
+    for name, n in (("warmup", 1), ("homogeneous", 2), ("matched", 2), ("mixed", 2)):
+        phase = result["phases"][name]
+        assert phase["error"] is None and phase["summary"]["completed"] == n and phase["summary"]["failed"] == 0
+    assert [result["seed"][c]["summary"]["completed"] for c in ("warmup", "1")] == [1, 1]
+    rows = result["rows"]
+    assert rows["failed_requests"] == 0 and rows["seed_over_concurrency_1"]["1"] == 1.0
+    assert json.loads(opts.out.read_text())["server_exit_status"] == 0
+    deadline = time.monotonic() + 15
+    while _group_members(result["server_pid"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _group_members(result["server_pid"]) == []
+
+
+@pytest.mark.reliability
 @pytest.mark.timeout(240)
 def test_traffic_measures_a_tiny_server_from_its_cold_start(tiny_nemotron, tmp_path):
     """One cold start of serve_local (a subprocess, device=cpu), every phase at a tiny size: the
     cold-start timeline, a summary per phase with every request answered, the rows, None where this
-    machine has no GPU (or the server no graph series), the log, and the server stopped with its Ray."""
-    mix = tmp_path / "mix.jsonl"
-    mix.write_text(MIX)
-    opts = traffic.parse_args(["--family", "nemotron-ld", "--model", str(tiny_nemotron), "--server-arg", "device=cpu",
-                               "--mix", str(mix), "--requests", "4", "--warmup-requests", "2", "--concurrency", "2",
-                               "--seed-levels", "1,2", "--seed-rounds", "1", "--seed-prompt-len", "16",
-                               "--seed-max-tokens", "32", "--start-timeout", "150", "--warm-restart", "--out",
-                               str(tmp_path / "traffic.json")])
-    result = traffic.measure(opts)
+    machine has no GPU (or the server no graph series), the log, and the server stopped with its Ray;
+    then a warm restart."""
+    opts, result = _measure(tiny_nemotron, tmp_path, "--requests", "4", "--warmup-requests", "2", "--concurrency",
+                            "2", "--seed-levels", "1,2", "--warm-restart")
 
     cold = result["cold_start"]
     assert 0 < cold["health_200_s"] <= cold["first_completion_s"] < 150 and cold["model"] == tiny_nemotron.name
