@@ -2,7 +2,6 @@
 arguments, validated (strings from the command line are coerced; an unknown name is an error)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
@@ -12,7 +11,6 @@ from model.sampling.params import DecodeParams, settable_fields
 from workers.scheduler import ADMISSION_STEPS
 
 BATCH_INVARIANT_NEEDS_CUDA = "batch_invariant=true needs device=cuda (its fixed-order kernels are triton's)"
-DEFAULT_MODEL_CACHE = Path(os.environ.get("DLLM_CACHE", Path.home() / ".cache" / "dllm-serve"))
 
 
 # The server-wide decoding defaults, overridable per request (`diffusion` object): DecodeParams' fields
@@ -22,7 +20,7 @@ ServerDecodeDefaults = create_model("ServerDecodeDefaults", __config__=ConfigDic
 
 
 class AppArgs(ServerDecodeDefaults):
-    model: str | None = Field(None, description="checkpoint directory; default: a tiny model made on first use")
+    model: str | None = Field(None, description="checkpoint directory; default: the tiny model shipped with the package")
     served_model_name: str | None = None
     tensor_parallel_size: int = Field(1, ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -45,7 +43,7 @@ class AppArgs(ServerDecodeDefaults):
                                  "of requests may be arriving (workers/scheduler.py); max_steps_per_command "
                                  "or more: no short commands")
     batch_invariant: bool = Field(False, description="a request's tokens and logprobs the same bits alone or in any "
-                                  "batch (CUDA; fixed-order kernels, slower: see the README's speed table)")
+                                  "batch (CUDA; fixed-order kernels, slower: docs/performance.md)")
     num_replicas: int | None = Field(None, ge=1, description="model instances (default 1); not with "
                                      "autoscaling_config")
     # Serve's autoscaling of the coordinator deployment (ray.serve.config.AutoscalingConfig's fields:
