@@ -1,15 +1,23 @@
+import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+# tests/interpreted runs under triton's CPU interpreter, which is chosen when triton is imported: it is
+# collected only with TRITON_INTERPRET=1 in the environment, as the subprocess of
+# tests/test_interpreted_kernels.py runs it; this session never imports it
+collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpreted"]
+INTERPRETED_RUN = Path(__file__).with_name("test_interpreted_kernels.py")
+_interpreted_run = None   # that test's module, once the session's first test has started its subprocess
+
 
 def pytest_collection_modifyitems(config, items):
-    # The modules on the session's shared Ray + Serve (tests/serve_harness.py) run last, in their order;
-    # before them the modules with triton-interpreter snippets, whose snippets start with the session and
-    # run in the background meanwhile (tests/interpreter.py), so their tests find them done
-    snippets = {item.path for item in items if item.get_closest_marker("interpreted")}
-    items.sort(key=lambda item: ("shared_serve" in item.keywords, item.path in snippets))
+    # The modules on the session's shared Ray + Serve (tests/serve_harness.py) run last but one, in their
+    # order; last, the test awaiting the triton-interpreter tests' subprocess, which starts with the
+    # session and runs in the background meanwhile
+    items.sort(key=lambda item: (item.path == INTERPRETED_RUN, "shared_serve" in item.keywords))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -19,15 +27,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_setup(item):
-    from tests.interpreter import start_session_ahead
-
-    start_session_ahead(item)
+    # the session's first test starts the triton-interpreter tests' subprocess where the test awaiting it
+    # is selected, so that it runs beside the whole session (tests/test_interpreted_kernels.py)
+    global _interpreted_run
+    if _interpreted_run is None:
+        _interpreted_run = False
+        for other in item.session.items:
+            if other.path == INTERPRETED_RUN and not other.get_closest_marker("skip"):
+                _interpreted_run = other.module
+                _interpreted_run.start_ahead()
+                break
 
 
 def pytest_sessionfinish(session, exitstatus):
-    from tests.interpreter import stop_ahead
-
-    stop_ahead()
+    if _interpreted_run:
+        _interpreted_run.stop_ahead()   # a session stopped before its test awaited it
     harness = sys.modules.get("tests.serve_harness")   # imported by a module that served (it imports ray:
     if harness is not None:                            # the GPU host runs kernel tests without Ray)
         harness.stop_shared_serve()
