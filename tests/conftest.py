@@ -2,8 +2,16 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# One intra-op thread here and, inherited, in the processes the session starts (the interpreter's run, Ray's
+# workers, servers, TP ranks): they keep both of a CI machine's cores busy, and a second OpenMP thread then
+# waits for a core at every parallel region, of which a tiny model's step has thousands (the first module
+# took 230 s beside the interpreter's run with two threads, 10 s with one)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # tests/interpreted runs under triton's CPU interpreter, which is chosen when triton is imported: it is
 # collected only with TRITON_INTERPRET=1 in the environment, as the subprocess of

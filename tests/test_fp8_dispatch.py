@@ -83,7 +83,7 @@ def test_the_kernels_path_is_the_reference_path(family, tiny_fp8_nemotron, tiny_
 
 def test_the_batch_invariant_mode_asks_for_the_fixed_order_kernels(tiny_fp8_gemma):
     """In the batch-invariant mode every FP8 layer asks model.kernels.fp8 for its fixed-order kernels
-    (tests/test_batch_invariant.py runs those in the interpreter), none for cuBLAS's or CUTLASS's."""
+    (tests/interpreted/test_interpreted_batch_invariant.py runs those in the interpreter), none for cuBLAS's or CUTLASS's."""
     net = load_model(tiny_fp8_gemma, show_progress=False)
     calls = []
     with kernels_on_cpu(calls), batch_invariant():

@@ -1,8 +1,7 @@
 """The sampler statistics (model/sampling/stats.py, docs/spec.md 3-4, 7): one pass's partials, combined over
-pieces of the vocabulary, equal dense references; the filters' triton passes at TP = 2 equal TP = 1.
-The triton passes (model/kernels/vocab_stats.py, model/kernels/filters.py) against the torch passes
-under triton's CPU interpreter are tests/interpreted/test_interpreted_vocab_stats.py's (run by
-tests/test_interpreted_kernels.py)."""
+pieces of the vocabulary, equal dense references. The triton passes (model/kernels/vocab_stats.py,
+model/kernels/filters.py) under triton's CPU interpreter, against these and at TP = 2, are tests/interpreted's
+(run by tests/test_interpreted_kernels.py)."""
 import pytest
 import torch
 
@@ -153,31 +152,3 @@ def test_first_mass_pass_normalises_like_logsumexp():
     probs = torch.exp(v[:2] - lognorm[:2, None, None])
     assert torch.allclose(first[:2], torch.einsum("nse,de->nsd", probs, member.float()), rtol=1e-5, atol=1e-7)
     assert torch.allclose(first[:2, :, 0].sum(1), torch.ones(2), rtol=1e-5)
-
-
-def test_triton_thresholds_at_tp2_equal_tp1_in_the_interpreter(tmp_path, monkeypatch):
-    """The filters' passes with tensor parallelism: each rank reads its own slice (its own tile maxima and
-    top-k bound) and the counts and masses are all-reduced between passes over gloo; both ranks find the
-    thresholds torch finds over the whole vocabulary at TP = 1: top-k alone (k = 5: past a rank's 3
-    tiles at the kernel's tiling, within its 12 at the small one), top-p alone, both, neither,
-    survivors on one rank only, fp32 / T and bf16 softcapped (tests/tp_harness.py filter_case)."""
-    pytest.importorskip("triton")
-    from model.sampling.filters import torch_threshold
-    from tests.tp_harness import filter_case, spawn_tp, triton_filters_worker
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")   # the spawned ranks' triton runs in its interpreter
-    c = filter_case()
-    for n, settings in enumerate([(16384, 2048, 512), (512, 256, 128)]):
-        out_dir = tmp_path / f"s{n}"
-        out_dir.mkdir()
-        spawn_tp(triton_filters_worker, 2, tmp_path, str(out_dir), settings, timeout=240)
-        ranks = [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
-        for i, (dtype, softcap, on_scaled) in enumerate(c["kinds"]):
-            ref = torch_threshold(c["x"].to(dtype), c["temperature"], c["top_k"], c["top_p"], 0, TP1,
-                                  softcap=softcap, on_scaled=on_scaled)
-            tol = 0 if softcap is None else 1e-5   # the interpreter's tanh is not torch's to the last bit
-            for r in range(2):
-                got = ranks[r][i]
-                assert torch.equal(torch.isinf(ref), torch.isinf(got)), (settings, dtype, r, ref, got)
-                assert torch.allclose(ref, got, rtol=tol, atol=0), (settings, dtype, r, ref, got)
-            assert torch.isinf(ref[3]).all() and torch.isfinite(ref[[0, 1, 2, 4]]).all()

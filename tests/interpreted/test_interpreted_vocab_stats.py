@@ -1,7 +1,7 @@
 """The sampler's triton passes (model/kernels/vocab_stats.py, model/kernels/filters.py) under triton's
 CPU interpreter against the torch passes they replace on CUDA, token for token: the statistics, the rank
 and top-k scores, the filters' thresholds and their top-k bound. Run under TRITON_INTERPRET=1 only
-(tests/test_interpreted_kernels.py); the torch passes and TP = 2 are tests/test_vocab_stats.py's."""
+(tests/test_interpreted_kernels.py); the torch passes are tests/test_vocab_stats.py's, TP = 2 test_interpreted_filters_tp.py's."""
 import pytest
 import torch
 
