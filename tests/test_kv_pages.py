@@ -116,3 +116,124 @@ def test_a_lookup_costs_a_dict_access_a_page_with_many_pages_cached():
         hit = pool.lookup(page_hashes(prompt, 16, SALT))
     per_page = (time.perf_counter() - begin) / 20 / 256
     assert len(hit) == 250 and per_page < 50e-6, per_page
+
+
+# ---- KVPages: requests, reservations, sliding windows ---------------------------------------------
+
+from workers.kv_pages import KVPages, PageGroup  # noqa: E402
+
+
+def test_a_prompts_cached_pages_are_shared_and_the_rest_reserved():
+    kv = KVPages([PageGroup(16)], 4, SALT)
+    prompt = list(range(10))                    # 2 full pages and 2 tokens
+    a = kv.admit("a", prompt, positions=18, ahead=8)
+    assert a.cached_tokens == 0 and a.groups[0].reserved == 5 and kv.reserved == [5]
+    assert kv.extend("a", end=10, known=0) == [(0, 0, a.groups[0].table)] and len(a.groups[0].table) == 3
+    kv.register("a", prompt, written=10)        # its prefill wrote positions 0..9: pages 0 and 1 are full
+    b = kv.admit("b", prompt + [99], positions=19, ahead=8)
+    assert b.cached_tokens == 8 and b.groups[0].table == a.groups[0].table[:2]   # shared, read-only
+    assert kv.hits == 8 and kv.queries == 21
+    # a prompt of exactly its cached pages recomputes its last page (its prediction needs its last token)
+    c = kv.admit("c", prompt[:8], positions=12, ahead=4)
+    assert c.cached_tokens == 4
+    kv.check()
+    for r in ("a", "b", "c"):
+        kv.free(r)
+    kv.check()
+    assert kv.pools[0].available == 16 and kv.reserved == [0] and kv.pools[0].cached == 2
+
+
+def test_admission_waits_for_pages_and_never_overcommits():
+    kv = KVPages([PageGroup(6)], 4, SALT)
+    assert kv.admit("a", [1, 2, 3], positions=16, ahead=4) is not None   # 4 pages reserved
+    assert kv.admit("b", [4, 5, 6], positions=12, ahead=4) is None       # 3 more do not fit in 6
+    assert kv.admit("c", [7], positions=8, ahead=4) is not None          # 2 do
+    assert not kv.fits_ever(positions=28, ahead=4) and kv.fits_ever(positions=24, ahead=4)
+    kv.free("a")
+    assert kv.admit("b", [4, 5, 6], positions=12, ahead=4) is not None
+    kv.check()
+
+
+def test_a_sliding_group_holds_a_window_and_lets_go_behind_it():
+    W, P = 8, 4
+    kv = KVPages([PageGroup(64), PageGroup(12, window=W)], P, SALT)
+    prompt = list(range(1, 13))
+    r = kv.admit("r", prompt, positions=60, ahead=8)
+    full, sliding = r.groups
+    assert kv.pages_for(60, 8)[1] == 2 + 2 + 2 and sliding.reserved == 6
+    kv.extend("r", end=12, known=0)
+    kv.register("r", prompt, written=12)
+    for known in range(12, 52, 4):              # committing 4 positions at a time
+        kv.extend("r", end=known + 8, known=known)
+        held = [p for p in sliding.table if p is not None]
+        first = sliding.table.index(held[0])
+        assert first == max(known - W + 1, 0) // P and len(held) <= 6   # exactly what queries from `known` read
+        kv.check()
+    assert len([p for p in full.table if p is not None]) == 14          # the full group keeps every page (to 56)
+    kv.free("r")
+    kv.check()
+
+
+def test_a_sliding_hit_needs_the_pages_of_its_window():
+    W, P = 8, 4
+    kv = KVPages([PageGroup(64), PageGroup(64, window=W)], P, SALT)
+    prompt = list(range(1, 30))
+    kv.admit("a", prompt, positions=32, ahead=32)
+    kv.extend("a", end=29, known=0)
+    kv.register("a", prompt, written=29)
+    kv.extend("a", end=29, known=29)   # its sliding pages before 29 - W + 1 = 22 go (5 of them), cached
+    kv.free("a")
+    b = kv.admit("b", prompt + [7], positions=40, ahead=16)
+    assert b.cached_tokens == 28      # 7 full pages; the window before position 28 is pages 5 and 6
+    assert b.groups[1].table[:5] == [None] * 5 and None not in b.groups[1].table[5:7]
+    kv.check()
+    # evict the window's last page from the sliding cache: the hit falls back to where a window is whole
+    kv.free("b")
+    pool = kv.pools[1]
+    page6 = pool.page_of(page_hashes(prompt, P, SALT)[6])
+    pool.acquire([page6])
+    pool._hash_of[page6], pool._page_of = None, {h: p for h, p in pool._page_of.items() if p != page6}
+    pool.release([page6])
+    c = kv.admit("c", prompt + [7], positions=40, ahead=16)
+    assert c.cached_tokens == 24
+    kv.check()
+
+
+def test_random_requests_sharing_prefixes_never_leak_or_overcommit():
+    """Requests with shared prefixes in both kinds of group, admitted, extended, registered and freed in
+    random order: every invariant holds after every operation, and the pool is whole at the end."""
+    rng = random.Random(3)
+    P, W = 4, 10
+    kv = KVPages([PageGroup(80), PageGroup(40, window=W)], P, SALT)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 30))] for _ in range(4)]
+    live: dict[str, dict] = {}
+    for step in range(2500):
+        op = rng.random()
+        if op < 0.3 and len(live) < 8:
+            rid = f"r{step}"
+            prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 6))]
+            positions = len(prompt) + rng.randrange(1, 40)
+            ahead = 12
+            if kv.admit(rid, prompt, positions, max(ahead, len(prompt))) is not None:
+                kv.extend(rid, end=len(prompt), known=kv.requests[rid].cached_tokens)
+                kv.register(rid, prompt, written=len(prompt))
+                live[rid] = dict(tokens=list(prompt), positions=positions, ahead=max(ahead, len(prompt)))
+        elif op < 0.8 and live:
+            rid = rng.choice(sorted(live))
+            r = live[rid]
+            known = len(r["tokens"])
+            if known < r["positions"]:
+                grow = min(rng.randrange(1, 6), r["positions"] - known)
+                kv.extend(rid, end=min(known + r["ahead"], r["positions"]), known=known)
+                r["tokens"] += [rng.randrange(50) for _ in range(grow)]
+                kv.register(rid, r["tokens"], written=len(r["tokens"]))
+        elif live:
+            rid = rng.choice(sorted(live))
+            kv.free(rid)
+            del live[rid]
+        kv.check()
+    for rid in list(live):
+        kv.free(rid)
+    kv.check()
+    assert [p.available for p in kv.pools] == [80, 40] and kv.reserved == [0, 0]
+    assert kv.hits > 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 # Positions per page. 16, as vLLM's default block: a cache hit is at most 15 tokens short of the shared
 # prefix, and the attention kernel reads a page as one contiguous run of keys.
@@ -63,6 +64,10 @@ class PagePool:
 
     def refs(self, page: int) -> int:
         return self._refs[page]
+
+    def page_of(self, h: bytes) -> int | None:
+        """The page caching `h`, if any."""
+        return self._page_of.get(h)
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """The pages of the longest run of leading `hashes` that are cached (held or not): one dict lookup a
@@ -135,3 +140,219 @@ class PagePool:
             if hashed:
                 assert self._page_of[self._hash_of[p]] == p, p
         assert len(self._page_of) == sum(h is not None for h in self._hash_of)
+
+
+
+@dataclass(frozen=True)
+class PageGroup:
+    """Layers that share page tables: every full-attention layer (window None), or every sliding-window
+    layer (a query sees `window` positions up to its own; pages wholly before that are released)."""
+
+    num_pages: int
+    window: int | None = None
+
+    def window_pages(self, page_size: int) -> int:
+        """Pages before a position that its queries can read (a sliding group's; 0: every page)."""
+        return 0 if self.window is None else -(-(self.window - 1) // page_size)
+
+
+@dataclass
+class Held:
+    """What one request holds in one group: its page table from page 0 (None: released, or never held:
+    the shards read the sink there) and how many more pages it may take (its reservation)."""
+
+    table: list[int | None] = field(default_factory=list)
+    reserved: int = 0
+
+
+@dataclass
+class RequestPages:
+    """A request's pages in every group, and the token ids their KV is of (prompt, then committed)."""
+
+    groups: list[Held]
+    tokens: list[int]
+    hashes: list[bytes]       # the addresses of its full pages of `tokens`
+    registered: int           # its pages whose address is cached (its cache hit's, then those it wrote)
+    cached_tokens: int        # the prompt's tokens served from the cache at admission
+
+
+class KVPages:
+    """The scheduler's view of the KV pool: a PagePool per PageGroup, each request's pages and
+    reservation, and the prefix cache's counters (prompt tokens looked up and found, as vLLM counts).
+
+    A request is admitted with a reservation of every page it can hold at once (its positions in a full
+    group; in a sliding one, a window plus how far its tables run ahead of its known length), so it never
+    runs short mid-way; it takes pages from it as its positions come (`extend`), and a sliding group's
+    pages go back once no query can read them. Its full pages are cached once their KV is written
+    (`register`). A page held by several requests (a shared prefix) is charged to one of them, its
+    owner; when the owner lets go of it first, the charge passes to another holder, whose reservation
+    always has room for it (it holds the page without being charged), so the pool is never promised twice.
+    """
+
+    def __init__(self, groups: Sequence[PageGroup], page_size: int, salt: bytes, caching: bool = True):
+        if page_size < 1 or not groups:
+            raise ValueError(f"page_size={page_size} must be >= 1, and some group given")
+        self.groups = list(groups)
+        self.pools = [PagePool(g.num_pages) for g in self.groups]
+        self.page_size, self.salt, self.caching = page_size, salt, caching
+        self.reserved = [0] * len(self.groups)
+        self.owner: list[dict[int, str]] = [{} for _ in self.groups]          # held page -> who is charged
+        self.holders: list[dict[int, set[str]]] = [{} for _ in self.groups]   # held page -> who holds it
+        self.requests: dict[str, RequestPages] = {}
+        self.queries = self.hits = 0
+
+    # ---- sizes ----------------------------------------------------------------------------------
+    def pages_for(self, positions: int, ahead: int) -> list[int]:
+        """Per group, the most pages a request of `positions` positions holds at once, when its tables run
+        at most `ahead` positions past what is known of its length."""
+        P = self.page_size
+        full = -(-positions // P)
+        return [full if g.window is None else min(full, g.window_pages(P) + -(-ahead // P) + 2) for g in self.groups]
+
+    def fits_ever(self, positions: int, ahead: int) -> bool:
+        """Whether an empty pool could take such a request."""
+        return all(n <= g.num_pages for n, g in zip(self.pages_for(positions, ahead), self.groups))
+
+    @property
+    def usage(self) -> float:
+        """The share of pages requests hold or have reserved."""
+        taken = sum(pool.used + r for pool, r in zip(self.pools, self.reserved))
+        return taken / sum(g.num_pages for g in self.groups)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def admit(self, request_id: str, prompt: Sequence[int], positions: int, ahead: int) -> RequestPages | None:
+        """Takes a request whose KV spans `positions` positions: the cached pages of its prompt's longest
+        cached prefix of full pages short of its last token (whose KV it computes for its prediction),
+        and a reservation of the rest; None where the pool cannot take it now."""
+        assert request_id not in self.requests, request_id
+        P = self.page_size
+        hashes = page_hashes(prompt, P, self.salt) if self.caching else []
+        hit, tables = self._lookup(hashes[: (len(prompt) - 1) // P])
+        need = self.pages_for(positions, ahead)
+        for i, pool in enumerate(self.pools):
+            unheld = sum(pool.refs(p) == 0 for p in tables[i] if p is not None)   # it takes and is charged
+            if pool.available - unheld - self.reserved[i] < need[i] - unheld:
+                return None
+        held = []
+        for i, pool in enumerate(self.pools):
+            charged = 0
+            for p in tables[i]:
+                if p is None:
+                    continue
+                if pool.refs(p) == 0:
+                    self.owner[i][p], self.holders[i][p] = request_id, set()
+                    charged += 1
+                self.holders[i][p].add(request_id)
+                pool.acquire([p])
+            self.reserved[i] += need[i] - charged
+            held.append(Held(table=list(tables[i]), reserved=need[i] - charged))
+        self.queries += len(prompt)
+        self.hits += hit * P
+        request = RequestPages(held, list(prompt), hashes, registered=hit, cached_tokens=hit * P)
+        self.requests[request_id] = request
+        return request
+
+    def _lookup(self, hashes: Sequence[bytes]) -> tuple[int, list[list[int | None]]]:
+        """The longest prefix of `hashes` whose pages every group can serve (a full group every page, a
+        sliding group the pages the prefill after it reads), and each group's table of it."""
+        m = len(hashes)
+        for g, pool in zip(self.groups, self.pools):
+            if g.window is None:
+                m = min(m, len(pool.lookup(hashes[:m])))
+        for g, pool in zip(self.groups, self.pools):
+            if g.window is not None and m:
+                k, run, best = g.window_pages(self.page_size), 0, 0
+                for j in range(m):
+                    run = run + 1 if pool.page_of(hashes[j]) is not None else 0
+                    if run >= min(k, j + 1):
+                        best = j + 1
+                m = best
+        tables = []
+        for g, pool in zip(self.groups, self.pools):
+            first = 0 if g.window is None else max(m - g.window_pages(self.page_size), 0)
+            tables.append([None] * first + [pool.page_of(h) for h in hashes[first:m]])
+        return m, tables
+
+    def _let_go(self, i: int, request_id: str, held: Held, page: int) -> None:
+        """`request_id` drops `page` of group i; where it was charged for it, another holder takes the
+        charge (from its reservation), or none is left: its reservation gets the page back."""
+        holders = self.holders[i][page]
+        holders.discard(request_id)
+        self.pools[i].release([page])
+        if self.owner[i][page] != request_id:
+            return
+        held.reserved += 1
+        if holders:
+            heir = min(holders)
+            self.owner[i][page] = heir
+            self.requests[heir].groups[i].reserved -= 1
+        else:
+            del self.owner[i][page], self.holders[i][page]
+            self.reserved[i] += 1
+
+    def extend(self, request_id: str, end: int, known: int) -> list[tuple[int, int, list[int | None]]]:
+        """Its tables cover the positions below `end` (pages from its reservation), and in a sliding group
+        it lets go of the pages wholly before `known` - window + 1, which no query from `known` on reads.
+        Returns what changed: (group, first page index, the table from there)."""
+        request, P = self.requests[request_id], self.page_size
+        changes = []
+        for i, (g, pool, held) in enumerate(zip(self.groups, self.pools, request.groups)):
+            first_change = None
+            if g.window is not None:
+                stale = min(max(known - g.window + 1, 0) // P, len(held.table))
+                for j in range(stale):
+                    if held.table[j] is not None:
+                        self._let_go(i, request_id, held, held.table[j])
+                        held.table[j] = None
+                        first_change = j if first_change is None else first_change
+            grow = -(-end // P) - len(held.table)
+            if grow > 0:
+                assert grow <= held.reserved, (request_id, i, grow, held.reserved)
+                first_change = len(held.table) if first_change is None else first_change
+                for p in pool.allocate(grow):
+                    self.owner[i][p], self.holders[i][p] = request_id, {request_id}
+                    held.table.append(p)
+                held.reserved -= grow
+                self.reserved[i] -= grow
+            if first_change is not None:
+                changes.append((i, first_change, held.table[first_change:]))
+        return changes
+
+    def register(self, request_id: str, tokens: Sequence[int], written: int) -> None:
+        """Its tokens (prompt and committed) are `tokens`, and KV is written for its first `written`
+        positions: every full page of those is cached under its address."""
+        if not self.caching:
+            return
+        request, P = self.requests[request_id], self.page_size
+        if len(tokens) > len(request.tokens):
+            request.tokens += tokens[len(request.tokens):]
+            request.hashes += page_hashes(request.tokens[len(request.hashes) * P:], P, self.salt,
+                                          start=request.hashes[-1] if request.hashes else None)
+        full = min(written // P, len(request.hashes))
+        for j in range(request.registered, full):
+            for pool, held in zip(self.pools, request.groups):
+                if j < len(held.table) and held.table[j] is not None:
+                    pool.register(held.table[j], request.hashes[j])
+        request.registered = max(request.registered, full)
+
+    def free(self, request_id: str) -> None:
+        """Gives back every page it holds (cached ones stay cached, its deepest evicted first) and what is
+        left of its reservation."""
+        request = self.requests[request_id]
+        for i, held in enumerate(request.groups):
+            for page in reversed(held.table):
+                if page is not None:
+                    self._let_go(i, request_id, held, page)
+            self.reserved[i] -= held.reserved
+        del self.requests[request_id]
+
+    def check(self) -> None:
+        """Invariants (the tests' leak checks): each pool's; every held page charged to one holder; each
+        request's charged pages and reservation make its need; the pool never promised twice."""
+        for i, pool in enumerate(self.pools):
+            pool.check()
+            for page, holders in self.holders[i].items():
+                assert pool.refs(page) == len(holders) > 0 and self.owner[i][page] in holders, (i, page)
+            assert sum(pool.refs(p) > 0 for p in range(pool.num_pages)) == len(self.owner[i]) == pool.used, i
+            assert self.reserved[i] == sum(r.groups[i].reserved for r in self.requests.values()), i
+            assert pool.available >= self.reserved[i], (i, pool.available, self.reserved[i])
