@@ -32,6 +32,10 @@ class AppArgs(ServerDecodeDefaults):
     max_num_seqs: int = Field(8, ge=1, description="slots per replica")
     max_model_len: int = Field(2048, ge=1)
     max_queue: int = Field(64, ge=0, description="requests waiting for a slot before 429")
+    kv_cache_tokens: int | None = Field(None, ge=1, description="the KV cache's positions (pages of 16) per layer "
+                                        "group; default: max_num_seqs x (max_model_len + a canvas)")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV of prompt prefixes and committed blocks "
+                                        "that earlier requests wrote (content-addressed pages)")
     # A command runs at most this many steps on the shards without a host read (fewer when every
     # running request surely finishes sooner: model/phases.py); a request that finishes mid-command
     # waits for its end (latency), a shorter command costs more round trips (throughput).
@@ -138,7 +142,8 @@ class AppArgs(ServerDecodeDefaults):
         """The coordinator's keyword arguments (workers/coordinator.py: Coordinator) from these."""
         return dict(num_slots=self.max_num_seqs, max_model_len=self.max_model_len, max_queue=self.max_queue,
                     max_steps_per_command=self.max_steps_per_command, request_timeout_s=self.request_timeout_s,
-                    overlap_commands=self.overlap_commands, admission_steps=self.admission_steps)
+                    overlap_commands=self.overlap_commands, admission_steps=self.admission_steps,
+                    enable_prefix_caching=self.enable_prefix_caching)
 
     def decode_defaults(self) -> dict:
         return {name: getattr(self, name) for name in ServerDecodeDefaults.model_fields}

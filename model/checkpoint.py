@@ -76,6 +76,11 @@ class Checkpoint(BaseModel):
         raise ValueError(f"quantization={requested!r}, but the checkpoint {self.path} is {stored} "
                          f"(its config.json's quantization_config decides; leave quantization unset)")
 
+    def cache_salt(self, dtype: str | None) -> bytes:
+        """What, besides the token ids, a KV page's content depends on: the model, its dtype and how it is
+        quantized (the prefix cache's address salt, the same in every replica of one deployment)."""
+        return f"{Path(self.path).name}|{self.config.model_type}|{dtype}|{self.quantization}".encode()
+
     @property
     def budget(self) -> StepBudget:
         """What a runner of this checkpoint bounds a request's remaining steps by (model/phases.py)."""
@@ -94,6 +99,9 @@ class RunnerArgs(BaseModel):
     load_format: Literal["safetensors", "dummy"] = "safetensors"
     max_steps_per_command: int = Field(64, ge=1)
     batch_invariant: bool = False
+    # the KV pool in positions (pages of model.protocol.PAGE_SIZE) of each layer group; None: as many as
+    # every slot at max_model_len takes
+    kv_cache_tokens: int | None = Field(None, ge=1)
 
     @classmethod
     def read(cls, model_dir: str | Path, **fields) -> "RunnerArgs":

@@ -219,7 +219,7 @@ class DiffusionGemmaModel(nn.Module):
 
 class DiffusionGemmaForBlockDiffusion(nn.Module):
     """forward(ids [B, L], positions [B, L], soft [B, L, H] | None) -> hidden [B, L, H] inside a
-    model.attention.step_context built with window=self.sliding_window over a LayeredKVCache of
+    model.attention.step_context built with window=self.sliding_window over a PagedKVCache of
     self.kv_layer_shapes; head_logits(hidden) -> this rank's vocabulary slice of the raw head output
     (the sampler softcaps it by `logit_softcap`: model.sampling.stats.unscaled); soft_embedding(probs_r)
     -> the next step's self-conditioning input (one all-reduce)."""
@@ -247,7 +247,7 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
 
     @property
     def kv_layer_shapes(self) -> list[tuple[int, int]]:
-        """(KV heads on this rank, head_dim) per layer: what a model.attention.LayeredKVCache needs."""
+        """(KV heads on this rank, head_dim) per layer: what a model.attention.PagedKVCache needs."""
         return [(layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in self.decoder.layers]
 
     @property

@@ -13,28 +13,42 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from model.attention import KVCache, LayeredKVCache
+from model.attention import PagedKVCache
 from model.config import ModelConfig
 from model.parallel.group import TPGroup
+from model.protocol import PAGE_SIZE
 
 
 @dataclass(frozen=True)
 class KVLayout:
     """Per layer, (KV heads on this rank, head_dim) and whether it is a sliding-window layer; `window`:
-    the sliding layers' W (None: no sliding layers)."""
+    the sliding layers' W (None: no sliding layers). Layers of one kind share page tables: a group."""
     shapes: tuple[tuple[int, int], ...]
     sliding: tuple[bool, ...]
     window: int | None = None
 
-    def cache(self, num_slots: int, max_len: int, canvas_length: int, dtype: torch.dtype,
-              device: torch.device) -> KVCache | LayeredKVCache:
-        """One tensor for layers all alike; per-layer tensors otherwise, sliding layers as rings of the
-        window plus one canvas (what a canvas's queries read)."""
-        if len(set(self.shapes)) == 1 and not any(self.sliding):
-            (heads, head_dim), = set(self.shapes)
-            return KVCache(len(self.shapes), num_slots, max_len, heads, head_dim, dtype, device)
-        return LayeredKVCache(list(self.shapes), num_slots, max_len, dtype, device, sliding=list(self.sliding),
-                              ring=self.window - 1 + canvas_length if self.window else None)
+    @property
+    def group_windows(self) -> list[int | None]:
+        """Each layer group's window, full-attention layers' group first (None)."""
+        return [self.window if s else None for s in sorted(set(self.sliding))]
+
+    def page_bytes(self, dtype: torch.dtype, page_size: int = PAGE_SIZE) -> list[int]:
+        """Per group, the bytes a page of its layers' keys and values takes."""
+        kinds = sorted(set(self.sliding))
+        size = torch.empty((), dtype=dtype).element_size()
+        return [sum(2 * h * d * page_size * size for (h, d), s in zip(self.shapes, self.sliding) if s == kind)
+                for kind in kinds]
+
+    def cache(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
+              num_pages: list[int] | None = None, page_size: int = PAGE_SIZE) -> PagedKVCache:
+        """The paged cache: `num_pages` per group, whose page tables the scheduler sets; None: every slot
+        its own pages for max_len positions."""
+        if num_pages is None:
+            return PagedKVCache.per_slot(list(self.shapes), num_slots, max_len, dtype, device, list(self.sliding),
+                                         self.window, page_size)
+        kinds = sorted(set(self.sliding))
+        return PagedKVCache(list(self.shapes), [kinds.index(s) for s in self.sliding], num_pages, self.group_windows,
+                            num_slots, max_len, dtype, device, page_size)
 
 
 @runtime_checkable

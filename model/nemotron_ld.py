@@ -127,7 +127,7 @@ class NemotronLabsDiffusionModel(nn.Module):
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
-        """(layers, kv heads on this rank, head_dim): what a KVCache for this rank needs."""
+        """(layers, kv heads on this rank, head_dim): what a PagedKVCache for this rank needs."""
         attn = self.encoder.layers[0].self_attn
         return len(self.encoder.layers), attn.num_kv_heads, attn.head_dim
 

@@ -111,7 +111,7 @@ class CommandOutputs:
             if not n and not canvases[s] and s not in drafted:
                 continue
             block = Block(slot=s, tokens=host["tokens"][s, :n].tolist(), denoising_steps=steps[s],
-                          canvases=canvases[s], drafts=drafted.get(s))
+                          canvases=canvases[s], drafts=drafted.get(s), length=length[s])
             if s in row_of and n:
                 i, k = row_of[s], scored[s]
                 block.logprobs = host["logprob"][i, :n].tolist()

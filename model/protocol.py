@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 
 from model.sampling.params import DecodeParams
 
+# Positions per KV page. 16, as vLLM's default block: a cache hit is at most 15 tokens short of the shared
+# prefix, and the attention kernel reads a page's keys as one run.
+PAGE_SIZE = 16
+
 
 @dataclass(frozen=True)
 class NewSlot:
@@ -16,6 +20,17 @@ class NewSlot:
     prompt: tuple[int, ...]
     params: DecodeParams
     seed: int  # the request's seed, or one the scheduler drew: every rank uses the same
+    cached: int = 0    # the prompt's first positions whose KV its pages already hold: its prefill starts here
+
+
+@dataclass(frozen=True)
+class PageRun:
+    """Entries of a slot's page table in one layer group (model/attention.py: PagedKVCache), from page
+    index `first` on; -1: none (the sink)."""
+    group: int
+    slot: int
+    first: int
+    pages: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -24,6 +39,7 @@ class Command:
     admit: tuple[NewSlot, ...] = ()    # slots to prefill in this command's first step
     max_steps: int = 1                 # steps to run (a slot that finishes earlier idles until the end;
                                        # the scheduler sizes commands by the slots' steps_left)
+    pages: tuple[PageRun, ...] = ()    # page table entries to set, after the releases
 
 
 @dataclass
@@ -51,6 +67,7 @@ class Block:
     top_ids: list[list[int]] | None = None       # [token][k]
     top_logprobs: list[list[float]] | None = None
     drafts: list[Draft] | None = None            # snapshots of canvases, oldest first (stream_drafts)
+    length: int = 0                              # the slot's positions whose KV is written, at the command's end
 
 
 @dataclass

@@ -25,7 +25,7 @@ from model.graphs import (PREFILL_GRAPH_TOKENS, StepGraphs, bucket, capture_size
 from model.interface import DiffusionLM
 from model.outputs import CommandOutputs
 from model.parallel.group import TPGroup
-from model.protocol import Command, Events, NewSlot
+from model.protocol import PAGE_SIZE, Command, Events, NewSlot
 from model.sampling.stats import TORCH_PASSES, VocabPasses
 from model.slots import Admission, SlotInfo, SlotTable
 from model.steps.causal import CausalSteps
@@ -47,11 +47,13 @@ class Runner:
     def __init__(self, model: DiffusionLM, num_slots: int, max_model_len: int, device: torch.device | str = "cpu",
                  cuda_graphs: bool | None = None, renoise_defaults: RenoiseDefaults | None = None,
                  max_steps_per_command: int = 64, sampler_passes: VocabPasses = TORCH_PASSES,
-                 batch_invariant: bool = False, ar_ride_tokens: int = AR_RIDE_TOKENS):
+                 batch_invariant: bool = False, ar_ride_tokens: int = AR_RIDE_TOKENS,
+                 kv_pages: list[int] | None = None):
         """The model's family (model/families.py) gives the canvas step and the step budget;
         renoise_defaults: a uniform-noise family's schedule defaults (the checkpoint's generation_config.json;
         None: transformers' defaults); ar_ride_tokens: the most tokens AR rows may add to a canvas forward
-        by riding in it (-1: never)."""
+        by riding in it (-1: never); kv_pages: the KV pool's pages per layer group, whose page tables the
+        scheduler's commands set (None: every slot its own pages for max_model_len positions)."""
         cfg = model.config
         self.family = FAMILIES[cfg.model_type]
         self.model, self.device = model, torch.device(device)
@@ -66,7 +68,8 @@ class Runner:
         self.ar_ride_tokens = ar_ride_tokens
         self.keys_per_token = keys_per_token(model)
         # + C: a canvas (or a verify) may write scratch KV past the budget's last token
-        kv = model.kv_layout.cache(num_slots, max_model_len + self.C, self.C, dtype, self.device)
+        kv = model.kv_layout.cache(num_slots, max_model_len + self.C, dtype, self.device, kv_pages)
+        self.managed_pages = kv_pages is not None
         slots = SlotTable(num_slots, self.C, cfg.mask_token_id or 0, self.device)
         self.env = StepEnv(model=model, kv=kv, slots=slots,
                            outputs=CommandOutputs(num_slots, self.C, max_steps_per_command, self.device),
@@ -91,9 +94,20 @@ class Runner:
         ckpt = args.checkpoint
         model = load_model(ckpt.path, tp or TPGroup(), dtype=args.dtype, device=args.device,
                            load_format=args.load_format, config=ckpt.config)
+        C = ckpt.config.canvas_length
+        tokens = args.kv_cache_tokens or args.num_slots * (args.max_model_len + C)
+        pages = -(-tokens // PAGE_SIZE)
         return cls(model, num_slots=args.num_slots, max_model_len=args.max_model_len, device=args.device,
                    renoise_defaults=ckpt.renoise, max_steps_per_command=args.max_steps_per_command,
-                   sampler_passes=sampler_passes(args.device), batch_invariant=args.batch_invariant)
+                   sampler_passes=sampler_passes(args.device), batch_invariant=args.batch_invariant,
+                   kv_pages=[pages] * len(model.kv_layout.group_windows))
+
+    @property
+    def pool(self) -> dict:
+        """The KV pool (model/attention.py), as the scheduler manages it (workers/kv_pages.py): each layer
+        group's pages and sliding window, and the page size."""
+        return {"kv_groups": [{"num_pages": n, "window": w} for n, w in zip(self.kv.num_pages, self.kv.windows)],
+                "page_size": self.kv.page_size}
 
     @property
     def tp(self) -> TPGroup:
@@ -123,6 +137,10 @@ class Runner:
         with torch.inference_mode(), batch_invariant(self.batch_invariant):
             for slot in cmd.release:
                 self.slots.info.pop(slot, None)
+            if cmd.release and self.managed_pages:   # a freed slot's table points at no page another may hold
+                self.kv.clear_pages(self.slots.device_index(list(cmd.release)))
+            if cmd.pages:
+                self._set_pages(cmd.pages)
             admitted = self._admit(cmd.admit)
             events = Events()
             if cmd.max_steps == 0 or not self.slots.info:
@@ -206,7 +224,7 @@ class Runner:
             self.canvas_step.update.freeze()
         return {"graphs": counts, "capture_sizes": list(self.sizes), "key_buckets": list(key_buckets(self.kv.max_len)),
                 "seconds": time.perf_counter() - start, "seconds_by_kind": seconds, "longest_by_kind": longest,
-                "graph_bytes": self.graphs.pool_bytes() if self.graphs is not None else 0}
+                "graph_bytes": self.graphs.pool_bytes() if self.graphs is not None else 0, **self.pool}
 
     def _graph_set(self):
         """(kind, key, step, inputs) of every graph a served step can need: see model/graphs.py."""
@@ -224,7 +242,7 @@ class Runner:
                 for width in prefill_widths(max_len):
                     if rows * width <= PREFILL_GRAPH_TOKENS:
                         plan = graph_plan(rows, width, scored)
-                        host = self._prefill_inputs([pad] * rows, [()] * rows, [None] * rows, plan, width)
+                        host = self._prefill_inputs([pad] * rows, [None] * rows, plan, width)
                         key = ("prefill", plan)
                         yield "prefill", key, self._prefill_step(plan), self.graphs.static_inputs(key, *host)
 
@@ -245,8 +263,21 @@ class Runner:
         self.drafts.admit(slots, [n.params.draft_every if n.params.stream_drafts else 0 for n in news])
         self.canvas_step.admit(slots, knobs)
         for n in news:
-            self.slots.info[n.slot] = SlotInfo(n.params, tuple(n.prompt))
+            self.slots.info[n.slot] = SlotInfo(n.params, tuple(n.prompt), n.cached)
         return slots
+
+    def _set_pages(self, runs) -> None:
+        """The commands' page table entries (model.protocol.PageRun): one copy per layer group."""
+        kv, pinned = self.kv, self.device.type == "cuda"
+        for group in range(len(kv.page_table)):
+            mine = [r for r in runs if r.group == group]
+            if not mine:
+                continue
+            flat = [r.slot * kv.max_pages + r.first + i for r in mine for i in range(len(r.pages))]
+            pages = [p for r in mine for p in r.pages]
+            host = torch.tensor([flat, pages], dtype=torch.int64, pin_memory=pinned)
+            dev = host.to(self.device, non_blocking=True)
+            kv.write_pages(group, dev[0], dev[1])
 
     def _keys(self, slots: list[int], admitted: list[int], steps: int, width: int) -> int:
         """Keys a row can read within the command: its length now (a new slot's: its prompt's) plus what
@@ -260,42 +291,47 @@ class Runner:
         return plan_rows([self.slots.info[s] for s in slots], kv_len, self.family.uniform_noise)
 
     def _prefill(self, slots: list[int]) -> None:
-        """The prompts of newly admitted `slots`, in one causal pass; on CUDA a graph's replay, rows padded
-        to a capture size and prompts to a prefill width (model/graphs.py), or eagerly where too wide."""
+        """The prompts of newly admitted `slots`, past their cached prefixes, in one causal pass; on CUDA a
+        graph's replay, rows padded to a capture size and prompts to a prefill width (model/graphs.py), or
+        eagerly where too wide or where a row starts past a cached prefix."""
         infos = [self.slots.info[s] for s in slots]
-        longest = max(len(i.prompt) for i in infos)
+        longest = max(len(i.prompt) - i.cached for i in infos)
+        fresh = not any(i.cached for i in infos)
         rows = width = None
-        if self.graphs is not None and self.observer is None:
+        if self.graphs is not None and self.observer is None and fresh:
             rows = padded_size(len(slots), self.sizes)
             width = prefill_width(longest, rows, self.kv.max_len)
         if width is None:   # eager, at the prompts' own width
             self._count_eager()
-            plan = self.plan(slots, longest)
-            host = self._prefill_inputs(slots, [i.prompt for i in infos], [i.params.mode for i in infos], plan, longest)
-            self._prefill_step(plan)(*(h.to(self.device, non_blocking=True) for h in host))
+            kv_len = longest if fresh else bucket(max(len(i.prompt) for i in infos), self.kv.max_len)
+            plan = self.plan(slots, kv_len)
+            host = self._prefill_inputs(slots, infos, plan, longest)
+            self._prefill_step(plan, fresh)(*(h.to(self.device, non_blocking=True) for h in host))
             return
         pad = rows - len(slots)
         plan = graph_plan(rows, width, self.canvas_step.needs_prediction and any(i.wants_scores for i in infos))
-        host = self._prefill_inputs(slots + [self.slots.pad] * pad, [i.prompt for i in infos] + [()] * pad,
-                                    [i.params.mode for i in infos] + [None] * pad, plan, width)
+        host = self._prefill_inputs(slots + [self.slots.pad] * pad, infos + [None] * pad, plan, width)
         key = ("prefill", plan)
         self.graphs.run(key, self._prefill_step(plan), *self.graphs.static_inputs(key, *host))
 
-    def _prefill_step(self, plan: RowPlan):
-        return lambda *inputs: self.causal.prefill(plan, *inputs)
+    def _prefill_step(self, plan: RowPlan, fresh: bool = True):
+        return lambda *inputs: self.causal.prefill(plan, *inputs, fresh=fresh)
 
-    def _prefill_inputs(self, slots: list[int], prompts: list[tuple[int, ...]], modes: list[str | None],
-                        plan: RowPlan, width: int) -> tuple[torch.Tensor, ...]:
-        """Pinned host tensors of a prefill: slots, scored rows, tokens [B, width], lengths, modes [B, 3]
-        (a padding row: one token 0, no mode)."""
+    def _prefill_inputs(self, slots: list[int], infos: list[SlotInfo | None], plan: RowPlan,
+                        width: int) -> tuple[torch.Tensor, ...]:
+        """Pinned host tensors of a prefill: slots, scored rows, tokens [B, width] (each prompt past its
+        cached prefix), starts, lengths, modes [B, 3] (a padding row, info None: one token 0 at 0, no mode)."""
         pinned = self.device.type == "cuda"
         tokens = torch.zeros(len(slots), width, dtype=torch.int64, pin_memory=pinned)
-        for row, prompt in enumerate(prompts):
-            if prompt:
-                tokens[row, : len(prompt)] = torch.tensor(prompt)
+        for row, info in enumerate(infos):
+            if info is not None:
+                tokens[row, : len(info.prompt) - info.cached] = torch.tensor(info.prompt[info.cached:])
+        modes = [None if i is None else i.params.mode for i in infos]
         return (torch.tensor(slots, dtype=torch.int64, pin_memory=pinned),
                 torch.tensor(list(plan.scored), dtype=torch.int64, pin_memory=pinned), tokens,
-                torch.tensor([max(len(p), 1) for p in prompts], dtype=torch.int64, pin_memory=pinned),
+                torch.tensor([0 if i is None else i.cached for i in infos], dtype=torch.int64, pin_memory=pinned),
+                torch.tensor([1 if i is None else len(i.prompt) - i.cached for i in infos], dtype=torch.int64,
+                             pin_memory=pinned),
                 torch.tensor([[mode == m for m in ("diffusion", "linear_spec", "ar")] for mode in modes],
                              dtype=torch.bool, pin_memory=pinned))
 

@@ -80,6 +80,7 @@ class SlotInfo:
     """What the host admitted a slot with."""
     params: DecodeParams
     prompt: tuple[int, ...]
+    cached: int = 0    # the prompt's positions whose KV its pages held at admission
 
     @property
     def wants_scores(self) -> bool:

@@ -164,7 +164,7 @@ def ct_activation_rounding(twin, modules: set[str], tp: int = 1):
 def gemma_schedule(model, tp) -> list[torch.Tensor]:
     """Prefill two slots; both denoise a self-conditioned canvas; slot 0 commits while slot 1 denoises;
     slot 0 denoises its next canvas. Each forward's logits of its real tokens [n, V]."""
-    from model.attention import LayeredKVCache
+    from model.attention import PagedKVCache
     from tests.vocab_reductions import gather_vocab
 
     cfg = model.config
@@ -176,7 +176,7 @@ def gemma_schedule(model, tp) -> list[torch.Tensor]:
 
     dtype = model.decoder.embed_tokens.weight.dtype
     soft = (torch.randn(2, C, cfg.hidden_size, generator=gen, dtype=torch.float64) * 3).to(dtype)
-    kv = LayeredKVCache(model.kv_layer_shapes, 2, 96, dtype, "cpu")
+    kv = PagedKVCache.per_slot(model.kv_layer_shapes, 2, 96, dtype, "cpu")
     forwards = [([(0, 0, True, toks(20)), (1, 0, True, toks(9))], None),
                 ([(0, 20, False, toks(C)), (1, 9, False, toks(C))], soft),
                 ([(0, 20, True, toks(C)), (1, 9, False, toks(C))], soft),

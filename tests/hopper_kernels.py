@@ -54,22 +54,25 @@ def attention_calls(family: dict, quick: bool):
     smallest and largest batch, the largest bucket: each tile set and the longest loop)."""
     from model.graphs import capture_sizes, key_buckets
     from model.kernels.attention import attention
+    from model.protocol import PAGE_SIZE
 
     slots = family["slots"]
     for layer in family["attention"]:
-        hq, hkv, d, ring, window = layer["hq"], layer["hkv"], layer["d"], layer.get("ring"), layer.get("window")
-        positions = ring or MAX_LEN
+        hq, hkv, d, window = layer["hq"], layer["hkv"], layer["d"], layer.get("window")
+        max_pages = -(-MAX_LEN // PAGE_SIZE)
+        pages = torch.zeros(slots + 1, max_pages, dtype=torch.int64)
         for dtype in (torch.bfloat16, torch.float32):
-            cache = torch.empty(slots + 1, positions, hkv, d, dtype=dtype)
+            cache = torch.empty((slots * max_pages + 1) * PAGE_SIZE, hkv, d, dtype=dtype)
             for invariant in (False, True):
                 for b in capture_sizes(slots) if dtype == torch.bfloat16 and not quick else (1, slots):
                     for width in family["widths"]:
                         q = torch.empty(b, width, hq, d, dtype=dtype)
                         meta = (_ints(b), _ints(b), _ints(b, width), torch.ones(b, dtype=torch.bool))
-                        for keys in (None,) if ring else (MAX_LEN,) if quick else key_buckets(MAX_LEN):
-                            label = f"attention d={d} hkv={hkv} b={b} L={width} keys={keys or ring} {dtype}"
+                        for keys in (MAX_LEN,) if quick else key_buckets(MAX_LEN):
+                            label = f"attention d={d} hkv={hkv} b={b} L={width} keys={keys} {dtype}"
                             yield f"{label} inv={invariant}", lambda: attention(
-                                q, cache, cache, *meta, d ** -0.5, window, ring=ring, keys=keys, invariant=invariant)
+                                q, cache, cache, *meta, d ** -0.5, window, keys=keys, page_table=pages,
+                                page_size=PAGE_SIZE, invariant=invariant)
 
 
 def rope_calls(family: dict, quick: bool):
@@ -253,7 +256,7 @@ def gemma_dims(name: str, cfg) -> dict:
             "widths": [canvas], "prefill_widths": [16, 256, 1024], "experts": cfg.num_experts,
             "top_k_experts": cfg.top_k_experts,
             "attention": [{"hq": hq, "hkv": cfg.layer_num_kv_heads(sliding), "d": cfg.layer_head_dim(sliding),
-                           "ring": cfg.sliding_window - 1 + canvas, "window": cfg.sliding_window},
+                           "window": cfg.sliding_window},
                           {"hq": hq, "hkv": cfg.layer_num_kv_heads(full), "d": cfg.layer_head_dim(full),
                            "k_eq_v": cfg.attention_k_eq_v}],
             "row_dims": [1, 8, cfg.num_experts, canvas, h, v, v // 2]}

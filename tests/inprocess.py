@@ -34,6 +34,7 @@ class ThreadShards:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.inner = await loop.run_in_executor(self.pool, InProcessShards, self.args)
+        self.warm_up_report = self.inner.pool   # the KV pool the scheduler manages
 
     async def execute(self, cmd):
         return await asyncio.get_running_loop().run_in_executor(self.pool, self.inner.execute, cmd)
@@ -92,7 +93,8 @@ class LocalHandle:
 async def _build(model_dir: str, args: dict, checkpoint: Checkpoint):
     a = AppArgs(**args)
     runner_args = RunnerArgs(checkpoint=checkpoint, num_slots=a.max_num_seqs, max_model_len=a.max_model_len,
-                             dtype=a.torch_dtype("cpu"), device="cpu", max_steps_per_command=a.max_steps_per_command)
+                             dtype=a.torch_dtype("cpu"), device="cpu", max_steps_per_command=a.max_steps_per_command,
+                             kv_cache_tokens=a.kv_cache_tokens)
     deployment = object.__new__(CoordinatorDeployment.func_or_class)
     deployment.coordinator = _coordinator(checkpoint, ThreadShards(runner_args), a)
     await deployment.coordinator.start()
@@ -105,7 +107,7 @@ async def _build(model_dir: str, args: dict, checkpoint: Checkpoint):
 def _coordinator(checkpoint: Checkpoint, shards, a: AppArgs):
     from workers.coordinator import Coordinator
 
-    return Coordinator(checkpoint, shards, **a.engine_args())
+    return Coordinator(checkpoint, shards, **a.engine_args(), cache_salt=checkpoint.cache_salt(a.torch_dtype("cpu")))
 
 
 # Serve's replica context, one per in-process app: each app's client runs its own event loop, on which

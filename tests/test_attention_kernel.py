@@ -21,22 +21,25 @@ def _gpu_step(kv, B, width, starts_from, window, gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hq,hkv,D,sliding,ring", [(32, 8, 128, False, None), (16, 8, 256, True, None),
-                                                    (16, 8, 256, True, 511 + 32), (16, 2, 512, False, None)])
+@pytest.mark.parametrize("hq,hkv,D,sliding,shuffled", [(32, 8, 128, False, False), (16, 8, 256, True, False),
+                                                        (16, 8, 256, True, True), (16, 2, 512, False, True)])
 @pytest.mark.parametrize("B", [1, 16])
 @pytest.mark.parametrize("invariant", [False, True])
-def test_cuda_kernel_equals_sdpa(hq, hkv, D, sliding, ring, B, invariant):
+def test_cuda_kernel_equals_sdpa(hq, hkv, D, sliding, shuffled, B, invariant):
     """On CUDA in bf16 at serving shapes (B x 32 queries over up to ~1100 keys: batch 1 splits its keys,
-    batch 16 does not; batch-invariant mode's fixed tiles), cached_attention's kernel against its SDPA
-    path."""
+    batch 16 does not; batch-invariant mode's fixed tiles), pages in order or shuffled, cached_attention's
+    kernel against its SDPA path."""
     from model import batch_invariant
-    from model.attention import LayeredKVCache, cached_attention, step_context, triton_attention
+    from model.attention import PagedKVCache, cached_attention, step_context, triton_attention
 
-    gen = torch.Generator().manual_seed(D + hkv + bool(ring) + B)
+    gen = torch.Generator().manual_seed(D + hkv + shuffled + B)
     W = 512
-    kv = LayeredKVCache([(hkv, D)], 16, 1088, torch.bfloat16, "cuda", sliding=[sliding], ring=ring)
+    kv = PagedKVCache.per_slot([(hkv, D)], 16, 1088, torch.bfloat16, "cuda", sliding=[sliding], window=W)
     kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=gen))
     kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=gen))
+    if shuffled:
+        n = kv.num_slots * kv.max_pages
+        kv.write_pages(0, torch.arange(n, device="cuda"), torch.randperm(n, generator=gen).cuda())
     ctx = _gpu_step(kv, B, 32, 0, W, gen)
     q = (torch.randn(B, 32, hq, D, generator=gen) * 2).to(torch.bfloat16).cuda()
     k, v = (torch.randn(B, 32, hkv, D, generator=gen).to(torch.bfloat16).cuda() for _ in range(2))

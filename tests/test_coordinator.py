@@ -34,6 +34,7 @@ class QueuedShards:
     async def start(self) -> None:
         self.inner = InProcessShards(RunnerArgs.read(self.model_dir, num_slots=self.slots, max_model_len=512,
                                                      max_steps_per_command=self.max_steps))
+        self.warm_up_report = self.inner.pool   # the KV pool the scheduler manages
         self.pool = ThreadPoolExecutor(1)
 
     async def execute(self, cmd):

@@ -4,7 +4,7 @@ greedy T = 1), is captured at reveal time and never rewritten."""
 import pytest
 import torch
 
-from model.attention import KVCache, StepContext, step_context
+from model.attention import PagedKVCache, StepContext, step_context
 from model.loader import load_model
 from model.phases import COMMIT, DENOISE
 from model.protocol import Command, NewSlot
@@ -237,7 +237,7 @@ def test_recorded_logits_are_those_of_the_canvas_before_the_step(stepped, model)
             committed = [t for b in blocks[s] for t in b.tokens]
             prefix = (prompt[s] + committed)[:length]
             assert len(prefix) == length
-            kv = KVCache(layers, 1, 256, hkv, d, torch.float32, "cpu")
+            kv = PagedKVCache.per_slot([(hkv, d)] * layers, 1, 256, torch.float32, "cpu")
             with torch.inference_mode():
                 ctx = StepContext.build(kv, [0], [0], [length], [True], length, "cpu")
                 with step_context(ctx):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.attention import LayeredKVCache, StepContext, step_context
+from model.attention import PagedKVCache, StepContext, step_context
 from model.checkpoint import parse_model_config
 from model.families import FAMILIES
 from model.config import DiffusionGemmaConfig, RenoiseDefaults, load_generation_defaults
@@ -67,8 +67,8 @@ def ref_denoise(ref, cache, canvas: torch.Tensor, sc_logits: torch.Tensor | None
 # --------------------------------------------------------------------------------------------------
 # ours: one batched forward of (slot, start, causal, tokens, soft | None) rows
 
-def new_cache(model, slots: int = 4, max_len: int = 128) -> LayeredKVCache:
-    return LayeredKVCache(model.kv_layer_shapes, slots, max_len, torch.float32, "cpu")
+def new_cache(model, slots: int = 4, max_len: int = 128) -> PagedKVCache:
+    return PagedKVCache.per_slot(model.kv_layer_shapes, slots, max_len, torch.float32, "cpu")
 
 
 def run(model, kv, rows, window: int | None = None) -> torch.Tensor:
@@ -222,20 +222,23 @@ def test_mixed_rows_in_one_forward_match_transformers(ours, ref):
     assert (logits[3] - ref_denoise(ref, caches[3], cd, sc_d)).abs().max() < TOL
 
 
-def test_ring_cache_of_sliding_layers_equals_the_full_cache(tiny_dir):
-    """Sliding layers keeping only a ring of W - 1 + C positions give the logits of a full cache, over a
-    prefill longer than the ring (it keeps its last R tokens) and canvases that carry the window past
-    the ring's wrap, with rows of two slots denoising and committing together. In float64: the two
-    attend to the same keys in another order, so they differ by rounding only (~1e-15 here, where fp32
-    rounding, amplified by the random model, reaches 1e-5: a wrong key would be O(1))."""
+def test_paged_sliding_layers_that_give_back_pages_behind_the_window_equal_every_page_kept(tiny_dir):
+    """Pages of 4 positions in shuffled order, and the sliding layers' pages wholly behind the window of
+    the step's earliest row given back (their table entries the sink, as the scheduler does), give the
+    logits of every page kept in order, over a prefill longer than the window and canvases that carry
+    the window on, with rows of two slots denoising and committing together. In float64: the two attend
+    to the same keys in another order, so they differ by rounding only (a wrong key would be O(1))."""
     ours = load_model(tiny_dir, dtype=torch.float64, show_progress=False)
-    W, C = ours.sliding_window, ours.config.canvas_length
-    R = W - 1 + C
-    full = LayeredKVCache(ours.kv_layer_shapes, 2, 160, torch.float64, "cpu")
-    ring = LayeredKVCache(ours.kv_layer_shapes, 2, 160, torch.float64, "cpu", sliding=ours.kv_layer_sliding, ring=R)
-    assert [k.shape[1] for k in ring.k] == [R if s else 160 for s in ours.kv_layer_sliding] and R < 160
+    W, C, P, max_len = ours.sliding_window, ours.config.canvas_length, 4, 160
+    layout = ours.kv_layout
+    in_order = PagedKVCache.per_slot(ours.kv_layer_shapes, 2, max_len, torch.float64, "cpu", page_size=P)
+    kinds = sorted(set(layout.sliding))
+    paged = PagedKVCache(list(layout.shapes), [kinds.index(x) for x in layout.sliding], [100, 100],
+                         layout.group_windows, 2, max_len, torch.float64, "cpu", page_size=P)
+    assert paged.windows == [None, W]
+    order = torch.randperm(100, generator=torch.Generator().manual_seed(3))   # slot s's page i: order[s * 40 + i]
     gen = torch.Generator().manual_seed(7)
-    p0, p1 = tokens(gen, 3 * R + 2), tokens(gen, 5)
+    p0, p1 = tokens(gen, 3 * W + 2), tokens(gen, 5)
     steps = [[(0, 0, True, p0, None)], [(1, 0, True, p1, None)]]
     starts = [len(p0), len(p1)]
     for _ in range(4):   # per canvas: two denoise steps of both slots, then both commit
@@ -245,16 +248,26 @@ def test_ring_cache_of_sliding_layers_equals_the_full_cache(tiny_dir):
                        torch.randn(C, ours.config.hidden_size, generator=gen, dtype=torch.float64)) for s in (0, 1)])
         steps.append([(s, starts[s], True, canvases[s], None) for s in (0, 1)])
         starts = [n + C for n in starts]
+    released = 0
     for rows in steps:
-        a, b = run(ours, full, rows), run(ours, ring, rows)
+        for slot, start, *_ in rows:
+            for group in (0, 1):
+                pages = order[slot * 40: slot * 40 + paged.max_pages].clone()
+                if group == 1:   # behind every query of this step's window: given back
+                    behind = torch.arange(paged.max_pages) < max(start - W + 1, 0) // P
+                    pages[behind] = -1
+                    released = max(released, int(behind.sum()))
+                flat = slot * paged.max_pages + torch.arange(paged.max_pages)
+                paged.write_pages(group, flat, pages)
+        a, b = run(ours, in_order, rows), run(ours, paged, rows)
         assert (a - b).abs().max() < 1e-10
+    assert released >= 3   # the test did give pages back
 
 
 def test_sliding_window_masks():
     """Causal rows: keys (q - W, q]; a denoise row: the last W - 1 prefix keys and the whole canvas."""
-    from model.attention import KVCache
 
-    kv = KVCache(1, 2, 40, 1, 4, torch.float32, "cpu")
+    kv = PagedKVCache.per_slot([(1, 4)], 2, 40, torch.float32, "cpu")
     ctx = StepContext.build(kv, [0, 1], [10, 12], [6, 6], [True, False], 6, "cpu", window=4)
     causal, bidir = ctx.window_mask[0, 0], ctx.window_mask[1, 0]
     for i in range(6):

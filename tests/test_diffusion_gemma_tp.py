@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from model.attention import LayeredKVCache, StepContext, step_context
+from model.attention import PagedKVCache, StepContext, step_context
 from model.loader import load_model
 from model.parallel.group import TPGroup, shard_range
 from model.sampling import renoise as RN
@@ -107,7 +107,7 @@ def run_schedule(model, tp: TPGroup, forced: list | None = None) -> dict:
     gen = torch.Generator().manual_seed(3)
     p0, p1 = torch.randint(0, V, (20,), generator=gen), torch.randint(0, V, (9,), generator=gen)
     dtype = model.decoder.embed_tokens.weight.dtype
-    kv = LayeredKVCache(model.kv_layer_shapes, 2, 96, dtype, "cpu")
+    kv = PagedKVCache.per_slot(model.kv_layer_shapes, 2, 96, dtype, "cpu")
     out = {"logits": [], "steps": [], "soft": [], "inputs": [], "forward_all_reduces": []}
 
     def fwd(rows, soft=None):

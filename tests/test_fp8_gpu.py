@@ -152,7 +152,7 @@ def test_fp8_nemotron_logits_with_kernels_track_the_reference(tiny_fp8_nemotron)
     on CUDA both). They differ by summation order and bf16 roundings, which FP8 amplifies: where the two
     paths' inputs to a quantization differ by an ulp, a value may round to its neighbour, 1/16 apart. A
     wrong scale or layout would be off by the logits' own size."""
-    from model.attention import KVCache, StepContext, step_context
+    from model.attention import PagedKVCache, StepContext, step_context
     from model.loader import load_model
 
     model = load_model(tiny_fp8_nemotron, dtype="bfloat16", device="cuda", show_progress=False)
@@ -160,7 +160,7 @@ def test_fp8_nemotron_logits_with_kernels_track_the_reference(tiny_fp8_nemotron)
     layers, hkv, d = model.kv_shape
 
     def logits():
-        kv = KVCache(layers, 1, 256, hkv, d, torch.bfloat16, "cuda")
+        kv = PagedKVCache.per_slot([(hkv, d)] * layers, 1, 256, torch.bfloat16, "cuda")
         ctx = StepContext.build(kv, [0], [0], [120], [True], 120, "cuda")
         with step_context(ctx), torch.no_grad():
             return model.head_logits(model(ids, torch.arange(120, device="cuda")[None]))[0].float().cpu()
@@ -176,14 +176,14 @@ def test_fp8_forward_in_a_cuda_graph_replays_to_the_eager_forward(tiny_fp8_nemot
     """The 8B-shaped FP8 forward (cuBLAS's FP8 GEMMs, the norms' and activations' quantizations, the
     attention output's row pass) captured in a CUDA graph: its replay gives the eager forward's logits bit
     for bit (the same shapes run the same kernels), so nothing in the FP8 path is baked in at capture."""
-    from model.attention import KVCache, StepContext, step_context
+    from model.attention import PagedKVCache, StepContext, step_context
     from model.loader import load_model
 
     model = load_model(tiny_fp8_nemotron, dtype="bfloat16", device="cuda", show_progress=False)
     ids = torch.randint(0, 997, (1, 120), generator=torch.Generator().manual_seed(0)).cuda()
     positions = torch.arange(120, device="cuda")[None]
     layers, hkv, d = model.kv_shape
-    ctx = StepContext.build(KVCache(layers, 1, 256, hkv, d, torch.bfloat16, "cuda"), [0], [0], [120], [True], 120,
+    ctx = StepContext.build(PagedKVCache.per_slot([(hkv, d)] * layers, 1, 256, torch.bfloat16, "cuda"), [0], [0], [120], [True], 120,
                             "cuda")
 
     def forward():

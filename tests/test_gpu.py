@@ -19,7 +19,7 @@ def cuda_engine(tiny_nemotron):
 
 
 def test_cuda_bf16_logits_track_the_fp32_reference(tiny_nemotron):
-    from model.attention import KVCache, StepContext, step_context
+    from model.attention import PagedKVCache, StepContext, step_context
     from model.loader import load_model
     from tests.reference import hf_ministral3
 
@@ -29,7 +29,7 @@ def test_cuda_bf16_logits_track_the_fp32_reference(tiny_nemotron):
     with torch.no_grad():
         expected = ref(ids).logits[0]
     layers, hkv, d = model.kv_shape
-    kv = KVCache(layers, 1, 256, hkv, d, torch.bfloat16, "cuda")
+    kv = PagedKVCache.per_slot([(hkv, d)] * layers, 1, 256, torch.bfloat16, "cuda")
     ctx = StepContext.build(kv, [0], [0], [120], [True], 120, "cuda")
     with step_context(ctx), torch.no_grad():
         got = model.head_logits(model(ids.cuda(), torch.arange(120, device="cuda")[None]))[0].float().cpu()

@@ -71,7 +71,10 @@ def test_graph_plans_equal_exact_plans(family, tiny_nemotron, tiny_gemma):
         runner = e.shards.runner
         report = runner.warm_up()
         warmed = set(runner.graphs.graphs)
-        assert_same(outcome(e, prompts, mix), exact)
+        # DiffusionGemma's random tiny model amplifies fp32 rounding through twelve renoised, self-conditioned
+        # steps: the graph plans' padded prefills sum in another order (5e-5 with the sliding layers' old
+        # rings, 1.3e-4 over their window's pages); a wrong key would move a logprob by O(1)
+        assert_same(outcome(e, prompts, mix), exact, tol=1e-4 if family == "nemotron" else 2e-4)
         assert set(runner.graphs.graphs) == warmed and runner.graphs.eager_steps == 0
         assert sum(report["graphs"].values()) == len(warmed)
 

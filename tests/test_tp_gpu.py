@@ -82,12 +82,12 @@ def test_one_shot_all_reduce_on_two_gpus(tmp_path):
 def _mixed_schedule_on(model, tp: TPGroup, device: torch.device) -> list:
     """tests/tp_harness.py's run_mixed_schedule on `device`: the full-vocabulary logits of every real
     token of every row of the mixed prefill / denoise / commit forwards, on the CPU."""
-    from model.attention import KVCache, StepContext, step_context
+    from model.attention import PagedKVCache, StepContext, step_context
     from tests import vocab_reductions as VR
     from tests.tp_harness import mixed_schedule
 
     layers, hkv, d = model.kv_shape
-    kv = KVCache(layers, 3, 160, hkv, d, next(model.parameters()).dtype, device)
+    kv = PagedKVCache.per_slot([(hkv, d)] * layers, 3, 160, next(model.parameters()).dtype, device)
     out = []
     for forward in mixed_schedule(model.config.vocab_size):
         rows = [(slot, start, kind != "denoise") for kind, slot, start, _ in forward]

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model.attention import KVCache, StepContext, step_context
+from model.attention import PagedKVCache, StepContext, step_context
 from model.parallel import reductions as R
 from model.parallel.group import TPGroup, shard_range
 from model.parallel.small_allreduce import disable_multicast
@@ -146,12 +146,12 @@ def assert_tp_matches(tpn: dict, tp1: dict, what: str) -> None:
 # --------------------------------------------------------------------------------------------------
 # One batched forward of mixed rows (tests/test_nemotron_parity.py and the TP ranks share it)
 
-def new_cache(model, slots: int = 4, max_len: int = 256, dtype: torch.dtype = torch.float32) -> KVCache:
+def new_cache(model, slots: int = 4, max_len: int = 256, dtype: torch.dtype = torch.float32) -> PagedKVCache:
     layers, hkv, d = model.kv_shape
-    return KVCache(layers, slots, max_len, hkv, d, dtype, "cpu")
+    return PagedKVCache.per_slot([(hkv, d)] * layers, slots, max_len, dtype, "cpu")
 
 
-def run_rows(model, kv: KVCache, rows, ids_rows) -> torch.Tensor:
+def run_rows(model, kv: PagedKVCache, rows, ids_rows) -> torch.Tensor:
     """rows: (slot, start, causal); ids_rows: token lists. One batched forward; this rank's logits
     [B, L, V_r] (L = longest row; shorter rows are padded)."""
     width = max(len(t) for t in ids_rows)

@@ -22,6 +22,7 @@ from model.checkpoint import Checkpoint
 from model.protocol import StepCounters
 from model.sampling.params import DecodeParams, ParamError
 from workers.failures import ShardFailure
+from workers.kv_pages import KVPages
 from workers.metrics import RequestMetrics
 from workers.request import RequestOutput
 from workers.scheduler import ADMISSION_STEPS, QueueFull, Scheduler, derived_metrics
@@ -76,7 +77,8 @@ class Coordinator:
 
     def __init__(self, checkpoint: Checkpoint, shards, *, num_slots: int, max_model_len: int, max_queue: int,
                  max_steps_per_command: int, seed: int = 0, request_timeout_s: float = 600.0,
-                 overlap_commands: bool = True, admission_steps: int = ADMISSION_STEPS):
+                 overlap_commands: bool = True, admission_steps: int = ADMISSION_STEPS,
+                 enable_prefix_caching: bool = True, cache_salt: bytes = b""):
         self.checkpoint = checkpoint
         self.config = self.checkpoint.config
         self.budget = self.checkpoint.budget   # what the shards' runners bound steps by
@@ -86,7 +88,9 @@ class Coordinator:
         self.request_timeout_s = request_timeout_s
         self.commands_in_flight = 2 if overlap_commands else 1
         self.admission_steps = admission_steps
+        self.prefix_caching, self.cache_salt = enable_prefix_caching, cache_salt
         self.shard_busy_s = 0.0   # the runners' execute time (rank 0), summed over commands
+        self.warm_up: dict = {}        # rank 0's last warm-up report (model.runner.Runner.warm_up)
         self.scheduler = self._new_scheduler()
         self.streams: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
@@ -98,7 +102,6 @@ class Coordinator:
         # what /health reports: "starting" (loading weights, capturing graphs), "ready", "rebuilding"
         # (after a shard failure), "down" (a start or a rebuild failed)
         self.state = "starting"
-        self.warm_up: dict = {}        # rank 0's last warm-up report (model.runner.Runner.warm_up)
         self.graphs = GraphCounts()    # steps outside CUDA graphs and captures while serving, from the events
         self.failures = 0
         self.shard_starts = 0
@@ -107,9 +110,12 @@ class Coordinator:
         self.started_at = time.monotonic()
 
     def _new_scheduler(self) -> Scheduler:
+        """A scheduler with an empty KV cache over the pool the shards reported (none before they start)."""
+        pages = KVPages.from_report(self.warm_up, self.cache_salt, self.prefix_caching) \
+            if "kv_groups" in self.warm_up else None
         return Scheduler(self.num_slots, self.max_queue, self.config.eos_token_ids, self.max_model_len,
                          self.config.canvas_length, self.max_steps_per_command, self.seed, self.budget,
-                         self.admission_steps)
+                         self.admission_steps, pages)
 
     async def start(self) -> None:
         """Starts the shards (once; a request arriving during a start or a rebuild waits for it) and
@@ -246,6 +252,9 @@ class Coordinator:
         self.shard_starts += 1
         await self.shards.start()
         self.warm_up = getattr(self.shards, "warm_up_report", None) or {}
+        assert not self.scheduler.has_work(), "shards start with no request in the scheduler"
+        self._retired.add(self.scheduler.counters)
+        self.scheduler = self._new_scheduler()   # over the pool the shards hold: an empty cache
         self._started, self._healthy, self.state = True, True, "ready"
         if self.warm_up.get("graphs"):
             log.info("ready: %s", describe_warm_up(self.warm_up))

@@ -1,7 +1,7 @@
 """The KV cache's pages as the scheduler sees them: which pages each request holds, which full pages are
 cached by their content, and how many pages admission can still take. Pure python (no torch, no ray).
 
-A page holds PAGE_SIZE positions of every attention layer's keys and values. KV written causally (a
+A page holds model.protocol.PAGE_SIZE positions of every attention layer's keys and values. KV written causally (a
 prefill, a commit) depends only on the token ids up to its position, so a full page is addressed by a
 hash chain over the token ids of it and every page before it (`page_hashes`), salted with what else
 changes its bits (the model, dtype, quantization). A page is free, held (reference count > 0; a shared
@@ -15,10 +15,6 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-# Positions per page. 16, as vLLM's default block: a cache hit is at most 15 tokens short of the shared
-# prefix, and the attention kernel reads a page as one contiguous run of keys.
-PAGE_SIZE = 16
 
 
 def page_hashes(tokens: Sequence[int], page_size: int, salt: bytes, start: bytes | None = None) -> list[bytes]:
@@ -188,6 +184,12 @@ class KVPages:
     owner; when the owner lets go of it first, the charge passes to another holder, whose reservation
     always has room for it (it holds the page without being charged), so the pool is never promised twice.
     """
+
+    @classmethod
+    def from_report(cls, report: dict, salt: bytes, caching: bool = True) -> "KVPages":
+        """The pool a runner reports (model.runner.Runner.warm_up: its layer groups and page size)."""
+        groups = [PageGroup(g["num_pages"], g["window"]) for g in report["kv_groups"]]
+        return cls(groups, report["page_size"], salt, caching)
 
     def __init__(self, groups: Sequence[PageGroup], page_size: int, salt: bytes, caching: bool = True):
         if page_size < 1 or not groups:

@@ -32,6 +32,7 @@ class RequestOutput:
     denoising_steps: int = 0   # the request's totals so far (usage statistics)
     canvases: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0     # its prompt's tokens the prefix cache served
     new_drafts: list[CanvasDraft] = field(default_factory=list)
     # latencies this output completes (seconds): TTFT with the first tokens, the gap before later blocks,
     # end to end with the finish
@@ -58,6 +59,7 @@ class Request:
     canvases: int = 0
     last_draft: CanvasDraft | None = None
     steps_left: int | None = None            # bound on the steps its slot can still run (model/phases.py)
+    cached_tokens: int = 0                   # its prompt's tokens whose KV the prefix cache served
 
     @property
     def latencies(self) -> dict[str, float | list[float] | None]:
@@ -139,4 +141,4 @@ class Request:
             list(logprobs) if asked else None, list(ranks) if asked else None,
             list(top_ids) if asked else None, list(top_logprobs) if asked else None,
             self.finished, self.finish_reason, self.denoising_steps, self.canvases, len(self.output),
-            e2e_s=self.finish_time - self.arrival_time if self.finished else None)
+            self.cached_tokens, e2e_s=self.finish_time - self.arrival_time if self.finished else None)

@@ -17,8 +17,9 @@ from collections import deque
 from typing import Sequence
 
 from model.phases import StepBudget
-from model.protocol import Command, Events, NewSlot, StepCounters
+from model.protocol import Command, Events, NewSlot, PageRun, StepCounters
 from model.sampling.params import DecodeParams, ParamError
+from workers.kv_pages import KVPages
 from workers.request import Request, RequestOutput
 
 
@@ -36,13 +37,21 @@ class QueueFull(Exception):
     """The bounded waiting queue is full; the caller should retry later (HTTP 429/503, Retry-After)."""
 
 
+# Commands the coordinator keeps at the shards at once (workers/coordinator.py): page tables must cover
+# what this many commands write before the scheduler hears of their results.
+COMMANDS_AHEAD = 2
+
+
 class Scheduler:
     def __init__(self, num_slots: int, max_queue: int, eos_token_ids: Sequence[int], max_model_len: int,
                  canvas_length: int, max_steps_per_command: int = 8, seed: int = 0,
-                 budget: StepBudget | None = None, admission_steps: int = ADMISSION_STEPS):
+                 budget: StepBudget | None = None, admission_steps: int = ADMISSION_STEPS,
+                 pages: KVPages | None = None):
         """budget: the runner's step bounds for admitted requests; None sizes every command at
         max_steps_per_command until the runner's events report bounds. admission_steps: the most steps
-        of a command while a burst of requests may be arriving (above)."""
+        of a command while a burst of requests may be arriving (above). pages: the KV pool's pages, which
+        admission goes by and commands set the shards' page tables from (None: every slot has its own
+        pages for max_model_len positions)."""
         for name, value, least in (("num_slots", num_slots, 1), ("max_queue", max_queue, 0),
                                    ("max_model_len", max_model_len, 1), ("canvas_length", canvas_length, 1),
                                    ("max_steps_per_command", max_steps_per_command, 1),
@@ -57,6 +66,7 @@ class Scheduler:
         self.max_steps_per_command = max_steps_per_command
         self.admission_steps = admission_steps
         self.budget = budget
+        self.pages = pages
         self.counters = StepCounters()   # totals since start (docs/spec.md section 8)
         self._rng = random.Random(seed)
         self._slots: list[Request | None] = [None] * num_slots
@@ -103,6 +113,13 @@ class Scheduler:
                 f"request {request_id!r}: prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} "
                 f"({positions} positions in {params.mode} mode, canvas_length={self.canvas_length}) "
                 f"exceeds max_model_len={self.max_model_len}", "max_tokens")
+        if self.pages is not None and not self.pages.fits_ever(self._kv_positions(len(prompt), params),
+                                                               self._ahead(len(prompt), params)):
+            pool = self.pages.groups[0].num_pages * self.pages.page_size
+            raise ParamError(
+                f"request {request_id!r}: prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} needs "
+                f"more KV cache than this server holds ({pool} positions: kv_cache_tokens, or the GPU memory "
+                "gpu_memory_utilization leaves)", "max_tokens")
         if len(self._waiting) - self.free_slots >= self.max_queue:
             raise QueueFull(f"{len(self._waiting)} requests waiting (max_queue={self.max_queue})")
         if params.seed is not None:
@@ -127,19 +144,71 @@ class Scheduler:
             self._vacate(request.slot)
         return request.finish("abort")
 
+    # ---- KV pages ---------------------------------------------------------------------------------
+    def _kv_positions(self, prompt_len: int, params: DecodeParams) -> int:
+        """The positions a request can write KV at: its prompt and outputs, and in canvas modes one canvas
+        of scratch past them (a denoise step's, or a verify's)."""
+        if params.mode == "ar":
+            return prompt_len + params.max_tokens
+        return prompt_len + math.ceil(params.max_tokens / self.canvas_length) * self.canvas_length + self.canvas_length
+
+    def _growth(self, params: DecodeParams, steps: int) -> int:
+        """How far past its known length `steps` steps of a request write: an AR step one position; a
+        canvas at most one commit every other step, and a canvas of scratch past it."""
+        if params.mode == "ar":
+            return steps + 1
+        return -(-steps // 2) * self.canvas_length + self.canvas_length
+
+    def _ahead(self, prompt_len: int, params: DecodeParams) -> int:
+        """How far a request's page tables can run past its known length: its prompt (the prefill writes it
+        at once), then the commands in flight and the next."""
+        return prompt_len + self._growth(params, COMMANDS_AHEAD * self.max_steps_per_command)
+
+    def _page_runs(self, admitted: list[Request], running: list[Request], steps: int) -> tuple[PageRun, ...]:
+        """The page table entries this command's steps need: every running request's tables cover what the
+        commands in flight and this one can write, and its sliding windows let go behind its known
+        length; an admitted request's prompt pages are cached at once (they are written in this
+        command's first step, before any later step or command reads them)."""
+        later = sum(s for s, _ in self._in_flight) + steps
+        new = {r.request_id for r in admitted}
+        runs = []
+        for request in running:
+            rid, params = request.request_id, request.params
+            if rid in new:
+                known, end = request.cached_tokens, len(request.prompt) + self._growth(params, steps)
+            else:
+                known = len(request.prompt) + max(len(request.output) - 1, 0)   # at most the device's length
+                end = known + 1 + self._growth(params, later)
+            end = min(end, self._kv_positions(len(request.prompt), params))
+            for group, first, pages in self.pages.extend(rid, end, known):
+                runs.append(PageRun(group, request.slot, first, tuple(-1 if p is None else p for p in pages)))
+            if rid in new:
+                self.pages.register(rid, request.prompt, written=len(request.prompt))
+        return tuple(runs)
+
     def schedule(self, ahead: bool = False) -> Command | None:
-        """The next command: pending releases, then waiting requests into the lowest free slots. With
-        `ahead` (commands are in flight), None unless it has a forward worth queueing behind them."""
+        """The next command: pending releases, then waiting requests into the lowest free slots (in order:
+        one the KV pool cannot take yet waits, and those behind it). With `ahead` (commands are in
+        flight), None unless it has a forward worth queueing behind them."""
         if ahead and not self._worth_queueing():
             return None
-        admit = []
+        admit, admitted = [], []
         free = [s for s, r in enumerate(self._slots) if r is None]
         for slot in free[: len(self._waiting)]:
-            request = self._waiting.popleft()
+            request = self._waiting[0]
+            if self.pages is not None:
+                got = self.pages.admit(request.request_id, request.prompt,
+                                       self._kv_positions(len(request.prompt), request.params),
+                                       self._ahead(len(request.prompt), request.params))
+                if got is None:
+                    break
+                request.cached_tokens = got.cached_tokens
+            self._waiting.popleft()
             request.slot = slot
             request.steps_left = self.budget.at_admission(request.params) if self.budget else None
             self._slots[slot], self._admitted_by[slot] = request, self._scheduled
-            admit.append(NewSlot(slot, request.prompt, request.params, request.seed))
+            admit.append(NewSlot(slot, request.prompt, request.params, request.seed, request.cached_tokens))
+            admitted.append(request)
         running = [r for r in self._slots if r is not None]
         if not (running or admit or self._release):
             return None
@@ -156,8 +225,9 @@ class Scheduler:
         for request in running:
             if request.steps_left is not None:
                 request.steps_left = max(request.steps_left - steps, 0)
+        runs = self._page_runs(admitted, running, steps) if self.pages is not None else ()
         self._in_flight.append((steps, short and bool(admit)))
-        return Command(release, tuple(admit), steps)
+        return Command(release, tuple(admit), steps, runs)
 
     def _worth_queueing(self) -> bool:
         """A queued command is worth it if it admits a waiting request into a free slot, or, unless a
@@ -200,6 +270,8 @@ class Scheduler:
             if request is None or self._admitted_by[block.slot] > command:
                 continue
             output = request.extend(block)
+            if self.pages is not None:   # its committed pages are cached (a finished one's too: the next turn's)
+                self.pages.register(request.request_id, request.prompt + tuple(request.output), block.length)
             if output.finished:
                 self._vacate(block.slot)
             outputs.append(output)
@@ -211,6 +283,8 @@ class Scheduler:
         self._slots[slot] = None
         self._release.append(slot)
         del self._live[request.request_id]
+        if self.pages is not None:   # commands already made finish writing them before later ones run
+            self.pages.free(request.request_id)
 
 
 def derived_metrics(c: StepCounters, wall_time_s: float) -> dict[str, float | None]:

@@ -26,6 +26,7 @@ from workers.failures import ShardFailure
 class InProcessShards:
     def __init__(self, args: RunnerArgs):
         self.runner = Runner.from_checkpoint(args)
+        self.pool = self.runner.pool   # the KV pool's groups and page size
 
     def execute(self, cmd: Command) -> Events:
         return self.runner.execute(cmd)
@@ -45,7 +46,7 @@ def _rank_main(rank: int, world: int, init_file: str, args: RunnerArgs, commands
                                              world_size=world)
         torch.set_num_threads(1)
         runner = Runner.from_checkpoint(args.model_copy(update={"device": device}), TPGroup.from_default_group(device))
-        answers.put(("ready", rank))
+        answers.put(("ready", runner.pool))
         while True:
             cmd = commands.get()
             if cmd is None:
@@ -72,8 +73,7 @@ class ProcessShards:
                                   daemon=True) for r in range(tp)]
         for p in self.procs:
             p.start()
-        for _ in range(tp):
-            self._answer("ready")
+        self.pool = [self._answer("ready") for _ in range(tp)][0]   # every rank's pool is alike
 
     def _answer(self, kind: str):
         try:

@@ -1,6 +1,6 @@
-"""Attention over a slot's KV cache read in place (CUDA): model.attention.cached_attention's gather and
+"""Attention over a paged KV cache read in place (CUDA): model.attention.cached_attention's gather and
 masked SDPA without the gather or a mask tensor, each query's keys decided from its row's (slot, start,
-length, causal), the sliding window and the ring.
+length, causal) and the sliding window, each key found through the slot's page table.
 
 One program per (block of (query, head-of-group) pairs, KV head, key split) walks only the key blocks its
 queries can see; splits (flash-decoding) fill idle SMs and are combined in split order. With `invariant`
@@ -26,7 +26,7 @@ COMBINE_VALUES = 4096
 
 # (query rows, keys, warps, pipeline stages) per program by head dim, for one row / for several (or
 # batch-invariant mode), timed at the served shapes: the 8B's 32-position canvases at head dim 128,
-# DiffusionGemma's 256-token canvas over its sliding ring at 256 and its full layers' keys at 512 (where
+# DiffusionGemma's 256-token canvas over its sliding window at 256 and its full layers' keys at 512 (where
 # the fp32 accumulator [rows, 512] bounds the rows); the lone-canvas tiles at 256 and 512 in one CUDA
 # graph of a 26B-A4B step's 30 attention calls (benchmarks/attention_bench.py times them)
 TILES = {128: ((32, 64, 4, 2), (64, 64, 4, 2)), 256: ((128, 64, 8, 2), (128, 32, 8, 2)),
@@ -52,20 +52,17 @@ def _config(d: int, rows: int, batch: int, hkv: int, keys: int, device: torch.de
 
 
 @triton.jit
-def _key_block(n0, s_hi, first, q, k_ptr, v_ptr, slot, skc, skp, skh, svc, svp, svh, h, d, d_ok, start,
-               bidirectional, qpos, anchor, W, i, length, R, qk_scale, m_i, l_i, acc, BN: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, RING: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Keys n0 .. n0 + BN - 1 (those below s_hi) into the block's online-softmax state (m_i, l_i, acc)."""
+def _key_block(n0, s_hi, q, k_ptr, v_ptr, pt_ptr, slot, spt, skp, skh, svp, svh, h, d, d_ok, start,
+               bidirectional, qpos, anchor, W, i, length, qk_scale, m_i, l_i, acc, BN: tl.constexpr,
+               PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Keys n0 .. n0 + BN - 1 (those below s_hi) into the block's online-softmax state (m_i, l_i, acc);
+    position p is row page * PAGE + p % PAGE of the cache, page the slot's page table entry p // PAGE."""
     p = n0 + tl.arange(0, BN)
     p_ok = p < s_hi
-    idx = p
-    if RING:   # below `first` (the aligned start's slack) the ring holds other positions
-        p_ok = p_ok & (p >= first)
-        idx = p % R
-    kt = tl.load(k_ptr + slot * skc + idx[None, :] * skp + h * skh + d[:, None],
-                 mask=p_ok[None, :] & d_ok[:, None], other=0.0)
-    vt = tl.load(v_ptr + slot * svc + idx[:, None] * svp + h * svh + d[None, :],
-                 mask=p_ok[:, None] & d_ok[None, :], other=0.0)
+    page = tl.load(pt_ptr + slot * spt + p // PAGE, mask=p_ok, other=0)
+    row = page * PAGE + p % PAGE
+    kt = tl.load(k_ptr + row[None, :] * skp + h * skh + d[:, None], mask=p_ok[None, :] & d_ok[:, None], other=0.0)
+    vt = tl.load(v_ptr + row[:, None] * svp + h * svh + d[None, :], mask=p_ok[:, None] & d_ok[None, :], other=0.0)
     if INTERPRETED:
         kt, vt = kt.to(tl.float32), vt.to(tl.float32)
     s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
@@ -83,11 +80,11 @@ def _key_block(n0, s_hi, first, q, k_ptr, v_ptr, slot, skc, skp, skh, svc, svp, 
 
 
 @triton.jit
-def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, slot_ptr, start_ptr, length_ptr, causal_ptr,
-                 sqb, sql, sqh, skc, skp, skh, svc, svp, svh, sob, sol, soh,
-                 L, W, R, qk_scale, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, ITERS: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr, RING: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+def _attn_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, out_ptr, part_ptr, ml_ptr, slot_ptr, start_ptr, length_ptr, causal_ptr,
+                 sqb, sql, sqh, spt, skp, skh, svp, svh, sob, sol, soh,
+                 L, W, qk_scale, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr, ITERS: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_m, pid_bh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (pid_bh // HKV).to(tl.int64), (pid_bh % HKV).to(tl.int64)
     slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -113,11 +110,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, slot_ptr, start
     # the block's key range: every key outside it is masked for all of its queries
     i_min = (pid_m * BM) // G
     i_max = tl.minimum(pid_m * BM + BM - 1, LG - 1) // G
-    first = 0
-    if RING:
-        first = tl.maximum(start + L - R, 0)
     hi = tl.where(causal, tl.minimum(end, start + i_max + 1), end)
-    lo = first + start * 0
+    lo = start * 0
     if HAS_WINDOW:
         anchor_min = tl.where(causal, start + i_min, start)
         lo = tl.where(i_max < length, tl.maximum(lo, anchor_min - W + 1), lo)
@@ -138,14 +132,14 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, slot_ptr, start
         for it in range(ITERS):
             n0 = s_lo + it * BN
             if n0 < s_hi:
-                m_i, l_i, acc = _key_block(n0, s_hi, first, q, k_ptr, v_ptr, slot, skc, skp, skh, svc, svp, svh, h, d,
-                                           d_ok, start, bidirectional, qpos, anchor, W, i, length, R, qk_scale,
-                                           m_i, l_i, acc, BN, HAS_WINDOW, RING, PRECISION, INTERPRETED)
+                m_i, l_i, acc = _key_block(n0, s_hi, q, k_ptr, v_ptr, pt_ptr, slot, spt, skp, skh, svp, svh, h, d,
+                                           d_ok, start, bidirectional, qpos, anchor, W, i, length, qk_scale,
+                                           m_i, l_i, acc, BN, PAGE, HAS_WINDOW, PRECISION, INTERPRETED)
     else:   # loaded bounds, the loads at the loop's top level: the compiler pipelines them (num_stages)
         for n0 in range(s_lo, s_hi, BN):
-            m_i, l_i, acc = _key_block(n0, s_hi, first, q, k_ptr, v_ptr, slot, skc, skp, skh, svc, svp, svh, h, d,
-                                       d_ok, start, bidirectional, qpos, anchor, W, i, length, R, qk_scale,
-                                       m_i, l_i, acc, BN, HAS_WINDOW, RING, PRECISION, INTERPRETED)
+            m_i, l_i, acc = _key_block(n0, s_hi, q, k_ptr, v_ptr, pt_ptr, slot, spt, skp, skh, svp, svh, h, d,
+                                       d_ok, start, bidirectional, qpos, anchor, W, i, length, qk_scale,
+                                       m_i, l_i, acc, BN, PAGE, HAS_WINDOW, PRECISION, INTERPRETED)
 
     if SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -190,25 +184,31 @@ def _split_combine_kernel(part_ptr, ml_ptr, out_ptr, sob, sol, soh, L, BHKV, HKV
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
               lengths: torch.Tensor, causal: torch.Tensor, scale: float, window: int | None = None,
-              ring: int | None = None, keys: int | None = None, splits: int | None = None,
-              tiles: tuple[int, int, int] | None = None, invariant: bool = False) -> torch.Tensor:
-    """q [B, L, Hq, D]; k, v: a cache [slots, positions, Hkv, D] read in place (a ring of `ring`
-    positions: p at p mod ring); slots, starts, lengths, causal [B] -> [B, L, Hq, D] in q's dtype.
-    `window`: the sliding window W, None for none. `keys`: a host-side bound on start + length over
-    the rows (it sizes the key splits, and the interpreter's trip count: keys past it are dropped there, read
-    by the compiled loop; default: the cache's positions). `splits`: key
-    splits (default: from the shapes alone, never from the metadata's values: no sync). `tiles`: (query rows, keys,
-    warps[, pipeline stages]) per program instead of `_config`'s (the tests' small tiles; timings).
+              keys: int | None = None, page_table: torch.Tensor | None = None, page_size: int | None = None,
+              splits: int | None = None, tiles: tuple[int, int, int] | None = None,
+              invariant: bool = False) -> torch.Tensor:
+    """q [B, L, Hq, D]; k, v: a paged cache [rows, Hkv, D] read in place, position p of a slot at row
+    page_table[slot, p // page_size] * page_size + p % page_size (without a page table: k, v are
+    [slots, positions, Hkv, D], a slot's positions in order); slots, starts, lengths, causal [B] ->
+    [B, L, Hq, D] in q's dtype. `window`: the sliding window W, None for none. `keys`: a host-side bound
+    on start + length over the rows (it sizes the key splits, and the interpreter's trip count: keys past
+    it are dropped there, read by the compiled loop; default: a slot's positions). `splits`: key splits
+    (default: from the shapes alone, never from the metadata's values: no sync). `tiles`: (query rows,
+    keys, warps[, pipeline stages]) per program instead of `_config`'s (the tests' small tiles; timings).
     `invariant`: each row's output independent of the other rows (batch-invariant mode)."""
+    if page_table is None:   # a slot's positions in order: one page a slot
+        page_size = k.shape[1]
+        page_table = torch.arange(k.shape[0], dtype=torch.int64, device=k.device)[:, None]
+        k, v = k.flatten(0, 1), v.flatten(0, 1)
     B, L, hq, D = q.shape
-    hkv = k.shape[2]
+    hkv = k.shape[1]
     assert hq % hkv == 0 and k.shape[-1] == D and v.shape == k.shape, (q.shape, k.shape, v.shape)
     assert window is None or window >= 1, window
     assert D <= max(TILES), f"head dim {D} > {max(TILES)}"
     assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16), q.dtype
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     G = hq // hkv
-    extent = ring if ring is not None else (keys if keys is not None else k.shape[1])
+    extent = keys if keys is not None else page_table.shape[1] * page_size
     BM, BN, warps, stages, S = _config(D, L * G, B, hkv, extent, q.device, invariant, q.element_size())
     BM, BN, warps, stages = (*tiles, 2)[:4] if tiles else (BM, BN, warps, stages)
     S = splits or S
@@ -228,12 +228,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     block_d = _block_d(D)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _attn_kernel[(grid_m, B * hkv, S)](
-        q, k, v, out, part, ml, slots, starts, lengths, causal,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        L, window or 0, ring or 1, scale * LOG2E, HKV=hkv, G=G, D=D, BLOCK_D=block_d, BM=BM, BN=BN, SPLITS=S,
-        ITERS=iters, HAS_WINDOW=window is not None, RING=ring is not None, PRECISION=precision,
-        INTERPRETED=INTERPRETED, num_warps=warps, num_stages=stages)
+        q, k, v, page_table, out, part, ml, slots, starts, lengths, causal,
+        q.stride(0), q.stride(1), q.stride(2), page_table.stride(0), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        L, window or 0, scale * LOG2E, HKV=hkv, G=G, D=D, BLOCK_D=block_d, BM=BM, BN=BN, PAGE=page_size,
+        SPLITS=S, ITERS=iters, HAS_WINDOW=window is not None, PRECISION=precision, INTERPRETED=INTERPRETED,
+        num_warps=warps, num_stages=stages)
     if S > 1:
         split_combine(part, ml, out)
     return out

@@ -19,15 +19,17 @@ class CausalSteps:
         self.env, self.canvas = env, canvas
 
     def prefill(self, plan: RowPlan, idx: torch.Tensor, scored: torch.Tensor, tokens: torch.Tensor,
-                lengths: torch.Tensor, modes: torch.Tensor) -> None:
-        """Rows idx of `tokens` [B, width] (real up to `lengths`), modes [B, 3] (diffusion, linear_spec,
-        ar): their KV, then what their last position predicts. Device ops only. A padding row (model/graphs.py)
-        has no mode, and no state of it changes but its length and draws."""
+                starts: torch.Tensor, lengths: torch.Tensor, modes: torch.Tensor, fresh: bool = True) -> None:
+        """Rows idx of `tokens` [B, width] (real up to `lengths`) at positions from `starts` (a cached
+        prefix's end; 0 for all rows where `fresh`), modes [B, 3] (diffusion, linear_spec, ar): their KV,
+        then what their last position predicts. Device ops only. A padding row (model/graphs.py) has no
+        mode, and no state of it changes but its length and draws."""
         env, t = self.env, self.env.slots
         causal = torch.ones_like(idx, dtype=torch.bool)
         width = tokens.shape[1]
-        hidden = env.forward(idx, tokens, torch.zeros_like(lengths), width, causal, width, lengths=lengths, fresh=True)
-        t.length[idx] = lengths
+        hidden = env.forward(idx, tokens, starts, width, causal, width if fresh else plan.kv_len, lengths=lengths,
+                             fresh=fresh)
+        t.length[idx] = starts + lengths
         real = modes.any(-1)
         env.outputs.add_counters(forwards=real.long().sum(), passes=1)
         if not self.canvas.needs_prediction:   # a uniform-noise canvas needs no prediction from the prefix

@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from model.attention import KVCache, LayeredKVCache, device_context, step_context
+from model.attention import PagedKVCache, device_context, step_context
 from model.interface import DiffusionLM
 from model.drafts import DraftBuffer
 from model.outputs import CommandOutputs
@@ -28,7 +28,7 @@ from model.steps.sampler import RowSampler
 @dataclass
 class StepEnv:
     model: DiffusionLM
-    kv: KVCache | LayeredKVCache
+    kv: PagedKVCache
     slots: SlotTable
     outputs: CommandOutputs
     drafts: DraftBuffer

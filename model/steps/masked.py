@@ -63,7 +63,10 @@ class MaskedCanvasStep:
         first = torch.arange(C, device=idx.device) == 0
         tokens = torch.where(is_ar[:, None], torch.where(first, t.last_token[idx][:, None], MASK), t.canvas[idx])
         causal = (phase == COMMIT) | (phase == VERIFY) | is_ar
-        hidden = r.forward(idx, tokens, t.length[idx], C, causal, plan.kv_len)
+        # an AR row's one real token is its first: the rest of its row is padding, whose KV goes to the sink
+        # (its page table covers the tokens it feeds, not a canvas)
+        lengths = torch.where(is_ar, 1, C)
+        hidden = r.forward(idx, tokens, t.length[idx], C, causal, plan.kv_len, lengths=lengths)
         x = r.logits(hidden)                                            # [B, C, V_r] raw, mask token -inf
         st = r.sampler.stats(x, idx, plan)
         scores = r.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs, idx) if plan.scored else None

@@ -14,22 +14,23 @@ pytest.importorskip("triton")
 import model.kernels.attention as ka
 from tests.interpreted.attention_cases import check, run
 
-# hand-picked steps: every row kind at once, padding queries under a window, a ring that does not yet
-# hold position 0's successor, splits past the key range, GQA 4
+# hand-picked steps: every row kind at once, padding queries under a window, shuffled pages of 4 and 3
+# positions (a window's pages behind it given back), splits past the key range, GQA 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fixed_steps_equal_sdpa(dtype):
     mixed = [(0, 10, 8, True), (2, 20, 8, False), (3, 5, 3, True), (1, 30, 5, False)]
-    for kw in [dict(), dict(window=5), dict(window=1), dict(window=5, ring=4 + 8), dict(window=5, ring=4 + 8 + 3)]:
+    for kw in [dict(), dict(window=5), dict(window=1), dict(window=5, page_size=4, shuffled=True),
+               dict(window=5, page_size=3, shuffled=True), dict(page_size=4, shuffled=True)]:
         for splits, tiles in [(None, None), (3, (16, 16, 4)), (8, (16, 16, 4))]:
             check(64, 2, 2, dtype, mixed, 8, splits=splits, tiles=tiles, **kw)
-    early = [(0, 2, 8, False), (1, 1, 6, True), (3, 7, 8, True)]   # rings not yet full
-    check(64, 1, 4, dtype, early, 8, window=6, ring=5 + 8, splits=2, tiles=(16, 16, 4))
+    early = [(0, 2, 8, False), (1, 1, 6, True), (3, 7, 8, True)]   # nothing behind the window yet
+    check(64, 1, 4, dtype, early, 8, window=6, page_size=4, shuffled=True, splits=2, tiles=(16, 16, 4))
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(window=3), dict(window=3, ring=2 + 4)],   # the ring shorter than the prefill
-                         ids=["full", "window", "ring"])
+@pytest.mark.parametrize("kw", [dict(), dict(window=3), dict(window=3, page_size=4, shuffled=True)],
+                         ids=["full", "window", "shuffled pages"])
 def test_fixed_prefills_equal_sdpa(kw):
     prefill = [(0, 0, 8, True), (2, 0, 3, True), (1, 0, 6, False)]
     check(128, 2, 4, torch.float32, prefill, 8, splits=2, tiles=(16, 16, 4), **kw)
@@ -58,47 +59,49 @@ def test_random_steps_equal_sdpa(D, seed, n):
     run(D, seed, n)
 
 
-def step(kv, window, ring, invariant, rows, qs, L):
+def step(kv, window, invariant, rows, qs, L):
     """The kernel over a step of `rows` (slot, start, length, causal) whose queries are `qs`, L wide."""
     meta = [torch.tensor(x, dtype=torch.int64) for x in zip(*rows)]
     keys = max(r[1] + L for r in rows)
     qb = torch.zeros(len(rows), L, 4, 64, dtype=kv.k[0].dtype)
     for b, x in enumerate(qs):
         qb[b, : x.shape[1]] = x[0]
-    R = kv.ring_len if ring else None
-    return ka.attention(qb, kv.k[0], kv.v[0], *meta, 0.125, window, ring=R, keys=keys if not ring else None,
-                        invariant=invariant)
+    return ka.attention(qb, kv.k[0], kv.v[0], *meta, 0.125, window, keys=keys, page_table=kv.page_table[0],
+                        page_size=kv.page_size, invariant=invariant)
 
 
 def rows_that_differ(invariant, dtypes, monkeypatch):
     """Batch invariance: a row alone (its own width and key bound) and among neighbours (a wider step,
     more keys, other slots) through the kernel; (rows whose real queries' bits differ, rows)."""
-    from model.attention import LayeredKVCache
+    from model.attention import PagedKVCache
 
     # a GPU of 8 SMs: the default config splits a lone row's keys, not a batch's
     monkeypatch.setattr(ka, "sm_count", lambda device: 8)
     rng = random.Random(7)
     mismatches = cases = 0
     for dtype in dtypes:
-        for window, ring in [(None, None), (100, None), (150, 150 - 1 + 12)]:
-            kv = LayeredKVCache([(2, 64)], 6, 320, dtype, "cpu", sliding=[window is not None], ring=ring)
-            gen = torch.Generator().manual_seed(len(str(window)) + (ring or 0))
+        for window, shuffled in [(None, False), (100, False), (150, True)]:
+            kv = PagedKVCache.per_slot([(2, 64)], 6, 320, dtype, "cpu", sliding=[window is not None], window=window)
+            gen = torch.Generator().manual_seed(len(str(window)) + shuffled)
             for t in (kv.k[0], kv.v[0]):
                 t.copy_(torch.randn(t.shape, generator=gen))
+            if shuffled:
+                n = kv.num_slots * kv.max_pages
+                kv.write_pages(0, torch.arange(n), torch.randperm(n, generator=gen))
             for _ in range(6):
                 width = rng.choice([4, 8])
                 slot, causal = rng.randrange(6), rng.random() < 0.5
                 start = rng.randint(64, 320 - 12)
                 length = rng.randint(1, width) if causal else width
                 q = (torch.randn(1, width, 4, 64, generator=gen) * 2).to(dtype)
-                alone = step(kv, window, ring, invariant, [(slot, start, length, int(causal))], [q], width)
+                alone = step(kv, window, invariant, [(slot, start, length, int(causal))], [q], width)
                 others = rng.sample([s for s in range(6) if s != slot], rng.randint(1, 5))
                 rows = [(s, rng.randint(0, 320 - 12), 12, 0) for s in others]
                 where = rng.randrange(len(rows) + 1)
                 rows.insert(where, (slot, start, length, int(causal)))
                 qs = [(torch.randn(1, 12, 4, 64, generator=gen) * 2).to(dtype) for _ in others]
                 qs.insert(where, q)
-                batch = step(kv, window, ring, invariant, rows, qs, 12)
+                batch = step(kv, window, invariant, rows, qs, 12)
                 cases += 1
                 mismatches += not torch.equal(alone[0, :length], batch[where, :length])
     return mismatches, cases
@@ -117,13 +120,14 @@ def test_the_default_configs_rows_differ_among_neighbours(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])   # fp64: the kernel's dtypes
-@pytest.mark.parametrize("ring", [None, 12])                                        # exclude it, SDPA runs
-def test_cached_attention_switch_equals_sdpa(ring, dtype):
+@pytest.mark.parametrize("shuffled", [False, True])                                 # exclude it, SDPA runs
+def test_cached_attention_switch_equals_sdpa(shuffled, dtype):
     """cached_attention itself with the switch on, against it with the switch off: the prefill's own keys,
-    the full layer's flat cache, the sliding layer's flat cache or ring, in a sequence of steps (and in
-    fp64, which the kernel does not take, the switch changes nothing)."""
+    the full layer's and the sliding layer's pages (in order, or shuffled with the sliding pages behind
+    the window given back), in a sequence of steps (and in fp64, which the kernel does not take, the
+    switch changes nothing)."""
     from model.attention import (
-        LayeredKVCache,
+        PagedKVCache,
         StepContext,
         cached_attention,
         step_context,
@@ -131,12 +135,22 @@ def test_cached_attention_switch_equals_sdpa(ring, dtype):
     )
 
     gen = torch.Generator().manual_seed(0)
-    kv = LayeredKVCache([(2, 64), (1, 128)], 3, 40, dtype, "cpu", sliding=[False, True], ring=ring)
     W = 5
+    kv = PagedKVCache.per_slot([(2, 64), (1, 128)], 3, 40, dtype, "cpu", sliding=[False, True], window=W,
+                               page_size=4)
     steps = [([0, 2], [0, 0], [8, 5], [True, True], 8),      # prefill
              ([0, 2], [8, 5], [4, 4], [False, False], 4),    # denoise canvases
              ([0, 2, 1], [8, 5, 0], [4, 4, 3], [True, False, True], 4)]   # a commit, a denoise, a prefill
+    n = kv.num_slots * kv.max_pages
+    order = torch.randperm(n, generator=gen) if shuffled else torch.arange(n)
+    for group in (0, 1):
+        kv.write_pages(group, torch.arange(n), order)
     for slots, starts, lengths, causal, width in steps:
+        if shuffled:   # the sliding pages behind each row's window given back
+            for slot, start in zip(slots, starts):
+                behind = (max(start - W + 1, 0) // kv.page_size)
+                flat = slot * kv.max_pages + torch.arange(behind)
+                kv.write_pages(1, flat, torch.full((behind,), -1))
         ctx = StepContext.build(kv, slots, starts, lengths, causal, width, "cpu", window=W)
         B = len(ctx.slots)
         for layer, (hkv, D) in enumerate([(2, 64), (1, 128)]):
@@ -147,4 +161,4 @@ def test_cached_attention_switch_equals_sdpa(ring, dtype):
                 with triton_attention():
                     got = cached_attention(q, k, v, layer, D ** -0.5, sliding=layer == 1)
             tol = (2 ** -16 if dtype == torch.float32 else 2 ** -7) * max(kv.v[layer].abs().max().item(), 1.0)
-            assert (got.float() - expected.float()).abs().max().item() <= tol, (layer, ctx.ring is not None, dtype)
+            assert (got.float() - expected.float()).abs().max().item() <= tol, (layer, shuffled, dtype)
