@@ -365,21 +365,27 @@ class DiffusionUsage(BaseModel):
                    tokens_per_step=completion_tokens / denoising_steps if denoising_steps else None)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0     # the prompt's tokens whose KV the prefix cache served (OpenAI's field)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
     diffusion: DiffusionUsage | None = None
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, denoising_steps: int | None = None,
-           canvases: int | None = None, canvas_length: int | None = None) -> "Usage":
+           canvases: int | None = None, canvas_length: int | None = None, cached_tokens: int = 0) -> "Usage":
         diffusion = None
         if denoising_steps is not None:
             assert canvas_length is not None, "diffusion usage needs the canvas length"
             diffusion = DiffusionUsage.of(denoising_steps, canvases or 0, completion_tokens, canvas_length)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens, diffusion=diffusion)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens), diffusion=diffusion)
 
 
 class CompletionLogprobs(BaseModel):

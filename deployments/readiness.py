@@ -17,7 +17,8 @@ from ray.serve.handle import DeploymentHandle
 from deployments.errors import ERROR_STATUS, APIError
 from deployments.placement import PlacementWatch
 
-HEALTH_DETAIL = ("num_slots", "free_slots", "running", "waiting", "shard_failures")
+HEALTH_DETAIL = ("num_slots", "free_slots", "running", "waiting", "shard_failures", "kv_cache_tokens",
+                 "kv_cache_usage")
 # A running coordinator answers its stats at once, so no answer within STATS_S means none is ready.
 STATS_S, SHARD_PING_S = 2.0, 15.0
 HELD_PROBE_S = 0.25   # a stats call's bound while an earlier one is still held (ready_stats)

@@ -169,10 +169,15 @@ class Responder:
             index=index, delta=ChatDelta(content=delta.text), logprobs=logprobs, finish_reason=delta.finish_reason)])
 
     def usage(self, prompt_tokens: int, choices: list[Choice]) -> Usage:
-        """Summed over the choices (the prompts' tokens once each)."""
+        """Summed over the choices (the prompts' tokens once each, so a prompt's cached tokens are its
+        choices' most)."""
         completion_tokens = sum(c.tokens for c in choices)
         steps = sum(c.last.denoising_steps for c in choices if c.last is not None)
         canvases = sum(c.last.canvases for c in choices if c.last is not None)
+        cached: dict[str, int] = {}
+        for c in choices:
+            if c.last is not None:
+                cached[c.prompt_param] = max(cached.get(c.prompt_param, 0), c.last.cached_tokens)
         if steps == 0 and canvases == 0:
-            return Usage.of(prompt_tokens, completion_tokens)
-        return Usage.of(prompt_tokens, completion_tokens, steps, canvases, self.canvas_length)
+            return Usage.of(prompt_tokens, completion_tokens, cached_tokens=sum(cached.values()))
+        return Usage.of(prompt_tokens, completion_tokens, steps, canvases, self.canvas_length, sum(cached.values()))

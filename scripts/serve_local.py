@@ -108,7 +108,7 @@ def main(argv: list[str]) -> None:
         warm = f"\nwarm-up: {describe_warm_up(stats['warm_up'])}" if stats["warm_up"].get("graphs") else ""
         print(f"\ndllm-serve is ready on {base} after {time.monotonic() - started:.1f} s: model "
               f"`{resolved.model_name()}` ({resolved.model_dir()}), tensor_parallel_size={resolved.tensor_parallel_size}"
-              f"{warm}\n\n"
+              f", a KV cache of {stats['kv_cache_tokens']} tokens{warm}\n\n"
               f"{curl_examples(base, resolved.model_name(), resolved.api_key)}\n\n"
               f"  curl {base}/v1/models\n\nCtrl-C to stop.", flush=True)
         while True:

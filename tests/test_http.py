@@ -197,8 +197,41 @@ def test_health_and_metrics(server):
     r = client(server).completions.create(model=MODEL, prompt="Hello", max_tokens=8, **GREEDY)
     assert r.usage.completion_tokens == 8
     assert committed_tokens() - before >= 8   # a whole canvas is committed, of which 8 tokens are kept
+    # its pages given back: the KV cache holds 4 x (512 + a canvas) positions, none of them held
     assert httpx.get(f"http://127.0.0.1:{server}/tp1/health", timeout=30).json() == {
-        "status": "ok", "num_slots": 4, "free_slots": 4, "running": 0, "waiting": 0, "shard_failures": 0}
+        "status": "ok", "num_slots": 4, "free_slots": 4, "running": 0, "waiting": 0, "shard_failures": 0,
+        "kv_cache_tokens": 4 * (512 + 32), "kv_cache_usage": 0.0}
+
+
+def test_a_conversations_next_turn_is_served_from_the_cache(server):
+    """A chat's second turn resends the first and its answer: OpenAI's usage.prompt_tokens_details.
+    cached_tokens counts what the prefix cache served, streamed and not (the same answer), and /metrics
+    counts the lookups and hits in tokens. (A cached answer against a cold one: tests/test_prefix_cache.py.)"""
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"http://127.0.0.1:{server}/tp1/metrics", timeout=30).text
+        return {name: float(line.split()[-1]) for line in text.splitlines() for name in
+                ("dllm_prefix_cache_queries_total", "dllm_prefix_cache_hits_total") if line.startswith(name)}
+
+    c = client(server)
+    system = {"role": "system", "content": "You answer in the words of Python's documentation. " * 12}
+    turn1 = [system, {"role": "user", "content": "Hello"}]
+    kw = dict(model=MODEL, max_completion_tokens=32, temperature=0, extra_body={"ignore_eos": True})
+    first = c.chat.completions.create(messages=turn1, **kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And then?"}]
+    before = scrape()
+    second = c.chat.completions.create(messages=turn2, **kw)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < second.usage.prompt_tokens and cached % 16 == 0
+    after = scrape()
+    assert after["dllm_prefix_cache_queries_total"] - before["dllm_prefix_cache_queries_total"] == \
+        second.usage.prompt_tokens
+    assert after["dllm_prefix_cache_hits_total"] - before["dllm_prefix_cache_hits_total"] == cached
+    chunks = list(c.chat.completions.create(messages=turn2, stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == second.choices[0].message.content
 
 
 def test_diffusion_gemma_served_by_the_same_app(server):

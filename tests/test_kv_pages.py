@@ -128,10 +128,17 @@ def test_a_prompts_cached_pages_are_shared_and_the_rest_reserved():
     prompt = list(range(10))                    # 2 full pages and 2 tokens
     a = kv.admit("a", prompt, positions=18, ahead=8)
     assert a.cached_tokens == 0 and a.groups[0].reserved == 5 and kv.reserved == [5]
-    assert kv.extend("a", end=10, known=0) == [(0, 0, a.groups[0].table)] and len(a.groups[0].table) == 3
+    kv.extend("a", end=10, known=0)
+    assert kv.changes("a") == [(0, 0, a.groups[0].table)] and len(a.groups[0].table) == 3
     kv.register("a", prompt, written=10)        # its prefill wrote positions 0..9: pages 0 and 1 are full
     b = kv.admit("b", prompt + [99], positions=19, ahead=8)
     assert b.cached_tokens == 8 and b.groups[0].table == a.groups[0].table[:2]   # shared, read-only
+    # its first tables sent to the shards hold the cached pages too (the slot's old table is gone)
+    kv.extend("b", end=11, known=8)
+    (group, first, table), = kv.changes("b")
+    assert (group, first, table[:2]) == (0, 0, a.groups[0].table[:2]) and len(table) == 3
+    kv.extend("b", end=11, known=8)
+    assert kv.changes("b") == []   # nothing new: nothing sent
     assert kv.hits == 8 and kv.queries == 21
     # a prompt of exactly its cached pages recomputes its last page (its prediction needs its last token)
     c = kv.admit("c", prompt[:8], positions=12, ahead=4)

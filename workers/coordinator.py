@@ -107,6 +107,7 @@ class Coordinator:
         self.shard_starts = 0
         self.metrics = RequestMetrics()
         self._retired = StepCounters()  # counters of schedulers replaced after a failure
+        self._retired_cache = [0, 0]    # their prefix caches' queries and hits
         self.started_at = time.monotonic()
 
     def _new_scheduler(self) -> Scheduler:
@@ -236,8 +237,7 @@ class Coordinator:
         failure = RequestError("shard_failure", f"model shard failed: {err}")
         for queue in self.streams.values():
             queue.put_nowait(failure)
-        self._retired.add(self.scheduler.counters)
-        self.scheduler = self._new_scheduler()
+        self._retire_scheduler()
         self.graphs.retire()
         async with self._lock:
             self.shards.stop()
@@ -248,13 +248,20 @@ class Coordinator:
                 log.error("could not rebuild the shard group: %s", again)
                 self._healthy, self.state = False, "down"
 
+    def _retire_scheduler(self) -> None:
+        """A new scheduler with an empty KV cache; the old one's counters kept in the totals."""
+        self._retired.add(self.scheduler.counters)
+        pages = self.scheduler.pages
+        if pages is not None:
+            self._retired_cache = [self._retired_cache[0] + pages.queries, self._retired_cache[1] + pages.hits]
+        self.scheduler = self._new_scheduler()
+
     async def _start_shards(self) -> None:
         self.shard_starts += 1
         await self.shards.start()
         self.warm_up = getattr(self.shards, "warm_up_report", None) or {}
         assert not self.scheduler.has_work(), "shards start with no request in the scheduler"
-        self._retired.add(self.scheduler.counters)
-        self.scheduler = self._new_scheduler()   # over the pool the shards hold: an empty cache
+        self._retire_scheduler()   # a scheduler over the pool the shards hold, its cache empty
         self._started, self._healthy, self.state = True, True, "ready"
         if self.warm_up.get("graphs"):
             log.info("ready: %s", describe_warm_up(self.warm_up))
@@ -272,7 +279,13 @@ class Coordinator:
         counters.add(self._retired)
         counters.add(s.counters)
         wall = time.monotonic() - self.started_at
+        pages = s.pages
+        cache = {"kv_cache_usage": pages.usage if pages else 0.0,
+                 "kv_cache_tokens": pages.capacity_tokens if pages else 0,
+                 "prefix_cache_queries": self._retired_cache[0] + (pages.queries if pages else 0),
+                 "prefix_cache_hits": self._retired_cache[1] + (pages.hits if pages else 0)}
         return {"state": self.state, "running": s.num_running, "waiting": s.num_waiting, "free_slots": s.free_slots,
+                **cache,
                 "num_slots": self.num_slots, "shard_failures": self.failures, "warm_up": self.warm_up,
                 "graphs": self.graphs.totals(),
                 "shard_restarts": max(self.shard_starts - 1, 0), **self.metrics.snapshot(),

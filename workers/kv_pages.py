@@ -159,6 +159,8 @@ class Held:
 
     table: list[int | None] = field(default_factory=list)
     reserved: int = 0
+    sent: int = 0            # the leading entries the shards' page table has (a new request's: none)
+    changed: int | None = None   # the lowest entry changed since they were sent
 
 
 @dataclass
@@ -214,6 +216,12 @@ class KVPages:
     def fits_ever(self, positions: int, ahead: int) -> bool:
         """Whether an empty pool could take such a request."""
         return all(n <= g.num_pages for n, g in zip(self.pages_for(positions, ahead), self.groups))
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Positions the pool holds for a request's whole length: its full-attention groups' pages (a
+        sliding group holds windows)."""
+        return min((g.num_pages for g in self.groups if g.window is None), default=0) * self.page_size
 
     @property
     def usage(self) -> float:
@@ -292,32 +300,37 @@ class KVPages:
             del self.owner[i][page], self.holders[i][page]
             self.reserved[i] += 1
 
-    def extend(self, request_id: str, end: int, known: int) -> list[tuple[int, int, list[int | None]]]:
+    def extend(self, request_id: str, end: int, known: int) -> None:
         """Its tables cover the positions below `end` (pages from its reservation), and in a sliding group
-        it lets go of the pages wholly before `known` - window + 1, which no query from `known` on reads.
-        Returns what changed: (group, first page index, the table from there)."""
+        it lets go of the pages wholly before `known` - window + 1, which no query from `known` on reads."""
         request, P = self.requests[request_id], self.page_size
-        changes = []
         for i, (g, pool, held) in enumerate(zip(self.groups, self.pools, request.groups)):
-            first_change = None
             if g.window is not None:
                 stale = min(max(known - g.window + 1, 0) // P, len(held.table))
                 for j in range(stale):
                     if held.table[j] is not None:
                         self._let_go(i, request_id, held, held.table[j])
                         held.table[j] = None
-                        first_change = j if first_change is None else first_change
+                        held.changed = j if held.changed is None else min(held.changed, j)
             grow = -(-end // P) - len(held.table)
             if grow > 0:
                 assert grow <= held.reserved, (request_id, i, grow, held.reserved)
-                first_change = len(held.table) if first_change is None else first_change
+                held.changed = len(held.table) if held.changed is None else held.changed
                 for p in pool.allocate(grow):
                     self.owner[i][p], self.holders[i][p] = request_id, {request_id}
                     held.table.append(p)
                 held.reserved -= grow
                 self.reserved[i] -= grow
-            if first_change is not None:
-                changes.append((i, first_change, held.table[first_change:]))
+
+    def changes(self, request_id: str) -> list[tuple[int, int, list[int | None]]]:
+        """What of its tables the shards do not have yet: (group, first page index, the table from
+        there); from now on they have it."""
+        changes = []
+        for i, held in enumerate(self.requests[request_id].groups):
+            first = min(held.sent, len(held.table) if held.changed is None else held.changed)
+            if first < len(held.table):
+                changes.append((i, first, held.table[first:]))
+            held.sent, held.changed = len(held.table), None
         return changes
 
     def register(self, request_id: str, tokens: Sequence[int], written: int) -> None:

@@ -27,7 +27,9 @@ COUNTERS = {
     "passes": "Batched model forward passes (each reads every weight once); forwards / passes is the rows a pass carries",
 }
 GAUGES = {"running": "Requests holding a slot", "waiting": "Requests waiting for a slot (the queue depth)",
-          "free_slots": "Free slots", "num_slots": "Slots"}
+          "free_slots": "Free slots", "num_slots": "Slots",
+          "kv_cache_usage": "Share of the KV cache's pages requests hold or have reserved (0 to 1)",
+          "kv_cache_tokens": "Positions the KV cache holds (its full-attention layers' pages x the page size)"}
 HISTOGRAMS = {  # stats key -> (metric name, help)
     "ttft_s": ("dllm_time_to_first_token_seconds", "Time from admission to the queue to the first committed block"),
     "inter_block_s": ("dllm_inter_block_latency_seconds", "Time between two committed blocks of a request"),
@@ -35,6 +37,8 @@ HISTOGRAMS = {  # stats key -> (metric name, help)
     "tokens_per_step": ("dllm_tokens_per_step", "Completion tokens per denoising step, per finished request"),
 }
 SHARD_COUNTERS = (  # stats key, metric name, help
+    ("prefix_cache_queries", "dllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+    ("prefix_cache_hits", "dllm_prefix_cache_hits", "Prompt tokens whose KV the prefix cache served"),
     ("shard_failures", "dllm_shard_failures", "Shard group failures recovered from"),
     ("shard_restarts", "dllm_shard_restarts", "Shard group starts after the first (rebuilds after a failure)"),
     ("shard_busy_s", "dllm_shard_busy_seconds", "Seconds the shards spent executing commands (rank 0's runner, "

@@ -167,8 +167,7 @@ class Scheduler:
     def _page_runs(self, admitted: list[Request], running: list[Request], steps: int) -> tuple[PageRun, ...]:
         """The page table entries this command's steps need: every running request's tables cover what the
         commands in flight and this one can write, and its sliding windows let go behind its known
-        length; an admitted request's prompt pages are cached at once (they are written in this
-        command's first step, before any later step or command reads them)."""
+        length."""
         later = sum(s for s, _ in self._in_flight) + steps
         new = {r.request_id for r in admitted}
         runs = []
@@ -179,11 +178,9 @@ class Scheduler:
             else:
                 known = len(request.prompt) + max(len(request.output) - 1, 0)   # at most the device's length
                 end = known + 1 + self._growth(params, later)
-            end = min(end, self._kv_positions(len(request.prompt), params))
-            for group, first, pages in self.pages.extend(rid, end, known):
+            self.pages.extend(rid, min(end, self._kv_positions(len(request.prompt), params)), known)
+            for group, first, pages in self.pages.changes(rid):
                 runs.append(PageRun(group, request.slot, first, tuple(-1 if p is None else p for p in pages)))
-            if rid in new:
-                self.pages.register(rid, request.prompt, written=len(request.prompt))
         return tuple(runs)
 
     def schedule(self, ahead: bool = False) -> Command | None:
@@ -203,6 +200,10 @@ class Scheduler:
                 if got is None:
                     break
                 request.cached_tokens = got.cached_tokens
+                # its prompt's pages, cached at once: this command's prefill writes them before any later
+                # step or command reads them, and a request admitted beside it reads them in the same pass
+                self.pages.extend(request.request_id, len(request.prompt), got.cached_tokens)
+                self.pages.register(request.request_id, request.prompt, written=len(request.prompt))
             self._waiting.popleft()
             request.slot = slot
             request.steps_left = self.budget.at_admission(request.params) if self.budget else None
