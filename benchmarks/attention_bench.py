@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 C, WINDOW, HEADS = 256, 1024, 16
-# layer kind -> (head dim, kv heads, keys the row's cache holds (before its canvas), ring or None, layers)
-LAYERS = {"sliding": (256, 8, 1280, WINDOW - 1 + C, 25), "full_1280": (512, 2, 1280, None, 5),
+# layer kind -> (head dim, kv heads, keys the row's cache holds (before its canvas), window or None, layers)
+LAYERS = {"sliding": (256, 8, 1280, WINDOW, 25), "full_1280": (512, 2, 1280, None, 5),
           "full_2048": (512, 2, 2048, None, 5)}
 # (query rows, keys, warps, stages) a program, by head dim, timed beside the served lone-canvas tiles
 # (model.kernels.attention.TILES, chosen before the key loop was pipelined): more stages, or fewer keys a
@@ -29,24 +29,29 @@ SWEEP = {256: ((128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)
          512: ((64, 64, 8, 1), (64, 32, 8, 2), (32, 64, 4, 2), (32, 32, 4, 2), (32, 32, 4, 3))}
 
 
-def problem(d: int, hkv: int, keys: int, ring: int | None, device: str = "cuda"):
-    """q [1, C, 16, d] and a one-slot cache holding `keys` positions before the canvas (as a ring where
-    `ring`): the arguments of attention() for one bidirectional canvas row."""
-    positions = ring if ring is not None else keys + C
+def problem(d: int, hkv: int, keys: int, device: str = "cuda"):
+    """q [1, C, 16, d] and a one-slot cache of its `keys` positions before the canvas and the canvas's:
+    the arguments of attention() for one bidirectional canvas row."""
     q = torch.randn(1, C, HEADS, d, device=device).bfloat16()
-    k = torch.randn(1, positions, hkv, d, device=device).bfloat16()
-    v = torch.randn(1, positions, hkv, d, device=device).bfloat16()
+    k = torch.randn(1, keys + C, hkv, d, device=device).bfloat16()
+    v = torch.randn(1, keys + C, hkv, d, device=device).bfloat16()
     meta = [torch.tensor([0], device=device), torch.tensor([keys], device=device), torch.tensor([C], device=device),
             torch.tensor([0], device=device)]   # slot, start, length, causal
     return q, k, v, meta
 
 
-def library_problem(q, k, v, keys: int, ring: int | None):
+def visible(keys: int, window: int | None) -> slice:
+    """The positions a bidirectional canvas row at `keys` sees: all, or under a window its last W - 1
+    prefix positions and the canvas."""
+    return slice(0 if window is None else max(keys - window + 1, 0), keys + C)
+
+
+def library_problem(q, k, v, keys: int, window: int | None):
     """The problem() of one bidirectional canvas row as SDPA takes it: q [1, Hq, C, d], k and v
-    [1, Hkv, visible, d] (every ring position, or the `keys` before the canvas and the canvas's own)."""
-    visible = ring if ring is not None else keys + C
-    return (q.transpose(1, 2).contiguous(), k[:, :visible].transpose(1, 2).contiguous(),
-            v[:, :visible].transpose(1, 2).contiguous())
+    [1, Hkv, visible, d] (the positions the row sees)."""
+    seen = visible(keys, window)
+    return (q.transpose(1, 2).contiguous(), k[:, seen].transpose(1, 2).contiguous(),
+            v[:, seen].transpose(1, 2).contiguous())
 
 
 def library_calls(q, k, v, flex: bool = True) -> dict:
@@ -76,12 +81,12 @@ def library_calls(q, k, v, flex: bool = True) -> dict:
     return calls
 
 
-def libraries(served_out, q, k, v, keys: int, ring: int | None, timed: bool = True, flex: bool = True) -> dict:
+def libraries(served_out, q, k, v, keys: int, window: int | None, timed: bool = True, flex: bool = True) -> dict:
     """Each library call's time (us; `timed`) and its difference from the served output, or why it
     cannot run."""
     from benchmarks.fp8_gemm_bench import time_us
 
-    lq, lk, lv = library_problem(q, k, v, keys, ring)
+    lq, lk, lv = library_problem(q, k, v, keys, window)
     ref = served_out.float()
     row = {}
     for name, call in library_calls(lq, lk, lv, flex).items():
@@ -109,17 +114,15 @@ def measure() -> dict:
     from model.kernels import attention as A
 
     result, step = {}, {"served": 0.0, "combine_served": 0.0, "combine_before": 0.0}
-    for name, (d, hkv, keys, ring, layers) in LAYERS.items():
-        q, k, v, meta = problem(d, hkv, keys, ring)
-        extent = ring if ring is not None else keys + C
-        bm, _, warps, _, splits = A._config(d, C * HEADS // hkv, 1, hkv, extent, q.device, False)
+    for name, (d, hkv, keys, window, layers) in LAYERS.items():
+        q, k, v, meta = problem(d, hkv, keys)
+        bm, _, warps, _, splits = A._config(d, C * HEADS // hkv, 1, hkv, keys + C, q.device, False)
 
         def call(**how):
-            return A.attention(q, k, v, *meta, 1.0, WINDOW if ring else None, ring=ring, keys=keys + C,  # noqa: B023
-                               **how)
+            return A.attention(q, k, v, *meta, 1.0, window, keys=keys + C, **how)  # noqa: B023
 
         served = time_us(call)
-        weight = layers / (1 if ring is not None else 2)   # full layers: half at each length
+        weight = layers / (1 if window is not None else 2)   # full layers: half at each length
         row = {"served_us": served, "splits": splits, "attention_rows": bm, "attention_warps": warps}
         if splits > 1:
             part, ml = combine_problem(d, hkv, splits)
@@ -135,7 +138,7 @@ def measure() -> dict:
             step["combine_before"] += weight * row["combine_before_us"]
         step["served"] += weight * served
         row["tiles_us"] = {str(t): try_us(lambda: call(tiles=t)) for t in SWEEP[d]}  # noqa: B023
-        row["libraries_us"] = libraries(call(), q, k, v, keys, ring)
+        row["libraries_us"] = libraries(call(), q, k, v, keys, window)
         result[name] = row
         print(name, json.dumps(row), flush=True)
     result["step_us"] = step

@@ -131,12 +131,13 @@ def health(port: int, app: str) -> httpx.Response:
 
 
 def idle_and_healthy(port: int, app: str) -> bool:
-    """/health answers 200 and shows every slot free, nothing running or waiting."""
+    """/health answers 200 and shows every slot free, nothing running or waiting, and no KV page held or
+    reserved (each free or cached: none leaked)."""
     r = health(port, app)
     if r.status_code != 200:
         return False
     h = r.json()
-    return h["free_slots"] == h["num_slots"] and h["running"] == 0 and h["waiting"] == 0
+    return h["free_slots"] == h["num_slots"] and h["running"] == 0 and h["waiting"] == 0 and h["kv_cache_usage"] == 0
 
 
 def slow_stream_body(model: str, max_tokens: int = 320, **extra) -> dict:

@@ -128,6 +128,7 @@ def fault_and_recover(port: int, sig: signal.Signals, rank: int, before: dict) -
     assert after["logprobs"]["token_logprobs"] == pytest.approx(before["logprobs"]["token_logprobs"], abs=1e-4)
     h = health(port, APP).json()
     assert h["free_slots"] == h["num_slots"] == NUM_SLOTS and h["running"] == h["waiting"] == 0
+    assert h["kv_cache_usage"] == 0   # a failed request's pages went with the rebuilt shards' empty cache
     return last_error
 
 

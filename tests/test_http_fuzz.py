@@ -400,7 +400,7 @@ def test_no_bad_input_failed_a_shard(server):
     """After every bad input above: healthy, no shard failure, every slot free, and a normal answer."""
     for app, path, body in [("nemotron", C, OK), ("gemma", C, OK), ("nemotron", CHAT, OK_CHAT)]:
         h = health(server, app).json()
-        assert h["shard_failures"] == 0 and h["free_slots"] == h["num_slots"], h
+        assert h["shard_failures"] == 0 and h["free_slots"] == h["num_slots"] and h["kv_cache_usage"] == 0, h
         r = post(server, app, path, body)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 

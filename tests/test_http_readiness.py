@@ -30,7 +30,8 @@ class WarmingCoordinator:
         await asyncio.sleep(delay_s)
 
     def stats(self) -> dict:
-        return {"state": "ready", "num_slots": 2, "free_slots": 2, "running": 0, "waiting": 0, "shard_failures": 0}
+        return {"state": "ready", "num_slots": 2, "free_slots": 2, "running": 0, "waiting": 0, "shard_failures": 0,
+                "kv_cache_tokens": 128, "kv_cache_usage": 0.0}
 
     async def check_health(self) -> None:
         pass

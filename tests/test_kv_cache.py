@@ -1,4 +1,4 @@
-"""The per-slot KV cache across the three step kinds (docs/spec.md section 1).
+"""The KV cache (a slot's pages) across the three step kinds (docs/spec.md section 1).
 
 A request's life: prefill the prompt; several denoise steps of a canvas whose tokens change between
 steps (masks revealed); commit the finished canvas (causal, same positions); then more canvases.
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from model.loader import load_model
+from model.attention import gather_keys
 from tests.tp_harness import MASK, new_cache, run_rows
 
 TOL = 1e-5
@@ -75,6 +76,13 @@ def _check(model, e: Event, got: torch.Tensor, what: str) -> None:
     assert diff < TOL, f"{what}: {e.kind} at [{e.start}, {e.start + len(e.tokens)}): max |diff| {diff:.3g}"
 
 
+def cached(kv, which: str, slot: int, n: int) -> torch.Tensor:
+    """[layers, n, kv_heads, head_dim]: every layer's keys (which="k") or values of a slot's first n positions,
+    read through its page table."""
+    pages = kv.page_table[0][slot: slot + 1]
+    return torch.stack([gather_keys(t, pages, kv.page_size, n)[0] for t in getattr(kv, which)])
+
+
 def test_denoise_and_commit_equal_full_recompute(model):
     gen = torch.Generator().manual_seed(11)
     events = schedule(gen, prompt_len=45, steps_per_canvas=[4, 3, 2])
@@ -82,11 +90,11 @@ def test_denoise_and_commit_equal_full_recompute(model):
     kv = new_cache(model, slots=3, max_len=256)
     denoise_logits = []
     for i, e in enumerate(events):
-        committed_k = kv.k[:, slot, : e.start].clone()
+        committed_k = cached(kv, "k", slot, e.start)
         got = run_rows(model, kv, [(slot, e.start, e.kind != "denoise")], [e.tokens])[0]
         _check(model, e, got, f"event {i}")
         # no step rewrites the committed prefix (a denoise writes only scratch past it)
-        assert torch.equal(kv.k[:, slot, : e.start], committed_k), f"event {i} ({e.kind}) changed the prefix"
+        assert torch.equal(cached(kv, "k", slot, e.start), committed_k), f"event {i} ({e.kind}) changed the prefix"
         if e.kind == "denoise":
             denoise_logits.append(got)
     # the canvas changes between steps, so successive denoise steps really see different inputs
@@ -105,9 +113,9 @@ def test_commit_overwrites_denoise_scratch(model):
     ref = new_cache(model, slots=1, max_len=128)
     run_rows(model, ref, [(0, 0, True)], [commit.prefix + commit.tokens])
     n = len(commit.prefix) + C
-    assert (kv.k[:, 1, :n] - ref.k[:, 0, :n]).abs().max() < TOL
-    assert (kv.v[:, 1, :n] - ref.v[:, 0, :n]).abs().max() < TOL
-    assert kv.k[:, 0].abs().max() == 0, "another slot's cache was written"
+    for which in ("k", "v"):
+        assert (cached(kv, which, 1, n) - cached(ref, which, 0, n)).abs().max() < TOL
+    assert cached(kv, "k", 0, 128).abs().max() == 0, "another slot's pages were written"
 
 
 def test_interleaved_slots_do_not_interfere(model):

@@ -244,3 +244,21 @@ def test_random_requests_sharing_prefixes_never_leak_or_overcommit():
     kv.check()
     assert [p.available for p in kv.pools] == [80, 40] and kv.reserved == [0, 0]
     assert kv.hits > 0
+
+
+def test_a_shared_prefix_counts_once_against_a_full_pool():
+    """Two requests of one 25-token prompt in a pool of 10 pages of 4: the second reserves only what it
+    does not share (its prompt's 6 full pages are the first's), so both fit where two copies would not."""
+    kv = KVPages([PageGroup(10)], 4, SALT)
+    prompt = list(range(25))
+    kv.admit("a", prompt, positions=28, ahead=4)
+    kv.extend("a", end=25, known=0)
+    kv.register("a", prompt, written=25)
+    b = kv.admit("b", prompt, positions=28, ahead=4)
+    assert b is not None and b.cached_tokens == 24 and b.groups[0].reserved == 1
+    kv.extend("b", end=28, known=24)
+    kv.free("a")               # the shared pages stay, b holds them
+    kv.check()
+    assert kv.pools[0].used == 7 and kv.reserved == [0]
+    kv.free("b")
+    kv.check()

@@ -182,9 +182,12 @@ class KVPages:
     group; in a sliding one, a window plus how far its tables run ahead of its known length), so it never
     runs short mid-way; it takes pages from it as its positions come (`extend`), and a sliding group's
     pages go back once no query can read them. Its full pages are cached once their KV is written
-    (`register`). A page held by several requests (a shared prefix) is charged to one of them, its
-    owner; when the owner lets go of it first, the charge passes to another holder, whose reservation
-    always has room for it (it holds the page without being charged), so the pool is never promised twice.
+    (`register`). The pool is never promised twice: the pages held plus every request's reservation are
+    at most the pool. A full group's page held by several requests (a shared prefix) counts against none
+    of their reservations twice: each reserves only what it does not hold. A sliding group's requests let
+    go of pages mid-way and take new ones, so there a shared page is charged to one holder, its owner,
+    and the others reserve for it too; when the owner lets go of it first, the charge passes to another
+    holder, whose reservation has room for it.
     """
 
     @classmethod
@@ -239,23 +242,24 @@ class KVPages:
         hashes = page_hashes(prompt, P, self.salt) if self.caching else []
         hit, tables = self._lookup(hashes[: (len(prompt) - 1) // P])
         need = self.pages_for(positions, ahead)
-        for i, pool in enumerate(self.pools):
-            unheld = sum(pool.refs(p) == 0 for p in tables[i] if p is not None)   # it takes and is charged
-            if pool.available - unheld - self.reserved[i] < need[i] - unheld:
+        credit = []   # per group, the hit pages its reservation need not cover
+        for i, (g, pool) in enumerate(zip(self.groups, self.pools)):
+            mine = [p for p in tables[i] if p is not None]
+            unheld = sum(pool.refs(p) == 0 for p in mine)   # evictable now: taken from the pool
+            credit.append(len(mine) if g.window is None else unheld)
+            if pool.available - unheld - self.reserved[i] < need[i] - credit[i]:
                 return None
         held = []
         for i, pool in enumerate(self.pools):
-            charged = 0
             for p in tables[i]:
                 if p is None:
                     continue
                 if pool.refs(p) == 0:
                     self.owner[i][p], self.holders[i][p] = request_id, set()
-                    charged += 1
                 self.holders[i][p].add(request_id)
                 pool.acquire([p])
-            self.reserved[i] += need[i] - charged
-            held.append(Held(table=list(tables[i]), reserved=need[i] - charged))
+            self.reserved[i] += need[i] - credit[i]
+            held.append(Held(table=list(tables[i]), reserved=need[i] - credit[i]))
         self.queries += len(prompt)
         self.hits += hit * P
         request = RequestPages(held, list(prompt), hashes, registered=hit, cached_tokens=hit * P)
@@ -284,20 +288,22 @@ class KVPages:
         return m, tables
 
     def _let_go(self, i: int, request_id: str, held: Held, page: int) -> None:
-        """`request_id` drops `page` of group i; where it was charged for it, another holder takes the
-        charge (from its reservation), or none is left: its reservation gets the page back."""
+        """`request_id` drops `page` of group i. In a sliding group, where it was charged for the page, its
+        reservation gets the page back and another holder, if any, takes the charge from its own."""
         holders = self.holders[i][page]
         holders.discard(request_id)
         self.pools[i].release([page])
-        if self.owner[i][page] != request_id:
+        owner = self.owner[i][page] == request_id
+        if not holders:
+            del self.owner[i][page], self.holders[i][page]
+        elif owner:
+            self.owner[i][page] = min(holders)
+        if not owner or self.groups[i].window is None:
             return
         held.reserved += 1
         if holders:
-            heir = min(holders)
-            self.owner[i][page] = heir
-            self.requests[heir].groups[i].reserved -= 1
+            self.requests[min(holders)].groups[i].reserved -= 1
         else:
-            del self.owner[i][page], self.holders[i][page]
             self.reserved[i] += 1
 
     def extend(self, request_id: str, end: int, known: int) -> None:

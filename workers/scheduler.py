@@ -118,8 +118,7 @@ class Scheduler:
             pool = self.pages.groups[0].num_pages * self.pages.page_size
             raise ParamError(
                 f"request {request_id!r}: prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} needs "
-                f"more KV cache than this server holds ({pool} positions: kv_cache_tokens, or the GPU memory "
-                "gpu_memory_utilization leaves)", "max_tokens")
+                f"more KV cache than this server holds ({pool} positions: its kv_cache_tokens)", "max_tokens")
         if len(self._waiting) - self.free_slots >= self.max_queue:
             raise QueueFull(f"{len(self._waiting)} requests waiting (max_queue={self.max_queue})")
         if params.seed is not None:
