@@ -8,13 +8,20 @@ runner's arguments, to every coordinator replica and its shards (workers/serve_c
 from __future__ import annotations
 
 import ray
+from ray.serve.config import RequestRouterConfig
 
 from deployments.args import BATCH_INVARIANT_NEEDS_CUDA, AppArgs
 from deployments.cluster import ClusterResources, resolve_device
 from deployments.ingress import OpenAIIngress
 from deployments.placement import never_placed
 from model.checkpoint import Checkpoint, RunnerArgs
+from model.protocol import PAGE_SIZE
+from workers.prefix_router import PrefixAffinityRouter
 from workers.serve_coordinator import REPLICA_BUNDLE, CoordinatorDeployment, placement_bundles, shard_bundle
+
+# how often each replica reports its cache to the routers (Serve's default is 10 s; a conversation's next
+# turn comes sooner, and the routers remember what they sent meanwhile)
+ROUTING_STATS_S = 2.0
 
 
 def build_app(args: dict):
@@ -47,6 +54,10 @@ def build_app(args: dict):
     engine_args = a.engine_args() | {"cache_salt": checkpoint.cache_salt(a.torch_dtype(device))}
     scaling = {"num_replicas": a.num_replicas or 1} if a.autoscaling_config is None else \
         {"autoscaling_config": a.autoscaling_config}
+    if a.enable_prefix_caching and a.prefix_routing:   # routing that follows each replica's cache
+        scaling["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixAffinityRouter, request_routing_stats_period_s=ROUTING_STATS_S,
+            request_router_kwargs={"page_size": PAGE_SIZE, "salt": engine_args["cache_salt"].decode()})
     coordinator = CoordinatorDeployment.options(
         **scaling, placement_group_bundles=bundles, placement_group_strategy=a.placement_strategy,
         ray_actor_options={"num_cpus": REPLICA_BUNDLE["CPU"]},

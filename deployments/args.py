@@ -36,6 +36,8 @@ class AppArgs(ServerDecodeDefaults):
                                         "group; default: max_num_seqs x (max_model_len + a canvas)")
     enable_prefix_caching: bool = Field(True, description="reuse the KV of prompt prefixes and committed blocks "
                                         "that earlier requests wrote (content-addressed pages)")
+    prefix_routing: bool = Field(True, description="with several replicas, send a request to the one that caches "
+                                 "the most of its prompt (workers/prefix_router.py; with prefix caching only)")
     # A command runs at most this many steps on the shards without a host read (fewer when every
     # running request surely finishes sooner: model/phases.py); a request that finishes mid-command
     # waits for its end (latency), a shorter command costs more round trips (throughput).

@@ -61,6 +61,13 @@ class PagePool:
     def refs(self, page: int) -> int:
         return self._refs[page]
 
+    def addresses(self, limit: int) -> list[bytes]:
+        """Up to `limit` cached pages' addresses: those some request holds, then the most recently used of
+        the rest (what a router asks of this pool)."""
+        held = [h for h, p in self._page_of.items() if self._refs[p] > 0]
+        recent = [self._hash_of[p] for p in reversed(self._evictable)]
+        return (held + recent)[:limit]
+
     def page_of(self, h: bytes) -> int | None:
         """The page caching `h`, if any."""
         return self._page_of.get(h)

@@ -17,6 +17,7 @@ from ray import serve
 from model.checkpoint import RunnerArgs
 from model.sampling.params import DecodeParams
 from workers.coordinator import Coordinator, RequestError
+from workers.prefix_router import ROUTED_PAGES, STATS_KEY, short
 from workers.ray_metrics import RayMetricsExport
 
 
@@ -66,3 +67,11 @@ class CoordinatorDeployment:
 
     def stats(self) -> dict:
         return self.coordinator.stats()
+
+    def record_routing_stats(self) -> dict:
+        """What Serve's request router reads of this replica (workers/prefix_router.py): the addresses of
+        the pages its KV cache holds, the full-attention group's (a prefix's pages exist in every group)."""
+        pages = self.coordinator.scheduler.pages
+        if pages is None:
+            return {}
+        return {STATS_KEY: [short(h) for h in pages.pools[0].addresses(ROUTED_PAGES)]}
