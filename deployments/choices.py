@@ -17,10 +17,15 @@ the rest (a choice's stream cancelled cancels its engine request), and so does t
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import dataclasses
 import hashlib
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
+
+from ray.serve import context as serve_context
+from ray.serve._private.utils import generate_request_id
 
 from deployments.output import OutputAssembler
 from model.sampling.params import DecodeParams
@@ -28,6 +33,19 @@ from workers.request import RequestOutput
 from workers.scheduler import TEMPERATURE_0_SEED
 
 T = TypeVar("T")
+
+
+def own_call(call: Callable[[], T]) -> T:
+    """Make one handle call of a request's choices under its own internal request id. Serve gives every
+    call made while answering a request the request's internal id, and its router indexes the calls it
+    is placing by that id: of several placed at once, only one is indexed, and the others are never
+    placed when a request router is configured (ours, workers/prefix_router.py). The request id the
+    logs show stays the request's."""
+    def fresh() -> T:
+        ctx = serve_context._get_serve_request_context()
+        serve_context._serve_request_context.set(dataclasses.replace(ctx, _internal_request_id=generate_request_id()))
+        return call()
+    return contextvars.copy_context().run(fresh)
 
 
 @dataclass

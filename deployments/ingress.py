@@ -23,7 +23,7 @@ from ray.serve.handle import DeploymentHandle
 # Counted through the module (`prom.REQUESTS`), never a name imported from it: deployments/errors.py says why.
 from deployments import metrics as prom
 from deployments.args import AppArgs
-from deployments.choices import Choice, choice_params, gathered
+from deployments.choices import Choice, choice_params, gathered, own_call
 from deployments.errors import APIError, add_handlers, validation_error_param
 from deployments.gate import REQUEST_ID_PARAMETER, GateSettings, RequestGate
 from deployments.output import OutputAssembler, silent_ids
@@ -234,8 +234,8 @@ class OpenAIIngress:
                           assembler=OutputAssembler(self.tokenizer, body.stop_strings))
                    for i, (prompt, param, params) in enumerate(planned) for j, p in enumerate(choice_params(params, n))]
         for c in choices:
-            c.stream = self.coordinator.options(stream=True).generate.remote(
-                c.prompt, c.params, f"{response_id}-{secrets.token_hex(6)}")
+            c.stream = own_call(lambda: self.coordinator.options(stream=True).generate.remote(
+                c.prompt, c.params, f"{response_id}-{secrets.token_hex(6)}"))
         prompt_tokens = sum(len(prompt) for prompt, _ in prompts)   # once per prompt, whatever n (OpenAI's)
         try:
             await gathered([self._admitted(c, length_param) for c in choices])
