@@ -249,8 +249,11 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     assert not sliding or ctx.window_mask is not None, "a sliding layer needs StepContext.build(..., window=W)"
     if not stored:
         kv_rows(layer).store(k, v)
-    # fp64 (the tests' references) is a dtype the kernel does not take: SDPA below
-    if _triton and not ctx.fresh and (q.is_cuda or INTERPRETED) and q.dtype != torch.float64:
+    # fp64 (the tests' references) is a dtype the kernel does not take: SDPA below. In the batch-invariant
+    # mode a prefill from position 0 reads its keys through the cache too, so a prompt's KV and prediction
+    # have the same bits prefilled whole, in chunks, or past a cached prefix (one kernel, keys in order)
+    fresh = ctx.fresh and not batch_invariant.enabled()
+    if _triton and not fresh and (q.is_cuda or INTERPRETED) and q.dtype != torch.float64:
         from model.kernels.attention import attention
 
         return attention(q, cache_k, cache_v, ctx.slots, ctx.starts, ctx.lengths, ctx.causal_rows, scale,
