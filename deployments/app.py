@@ -50,7 +50,8 @@ def build_app(args: dict):
     runner_args = RunnerArgs(checkpoint=checkpoint, num_slots=a.max_num_seqs, max_model_len=a.max_model_len,
                              dtype=a.torch_dtype(device), device=device, load_format=a.load_format,
                              max_steps_per_command=a.max_steps_per_command, batch_invariant=a.batch_invariant,
-                             kv_cache_tokens=a.kv_cache_tokens)
+                             kv_cache_tokens=a.kv_cache_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
+                             prefill_chunk=a.prefill_chunk_tokens)
     engine_args = a.engine_args() | {"cache_salt": checkpoint.cache_salt(a.torch_dtype(device))}
     scaling = {"num_replicas": a.num_replicas or 1} if a.autoscaling_config is None else \
         {"autoscaling_config": a.autoscaling_config}

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, ValidationError, create_model, model_validator
 
+from model.protocol import PREFILL_CHUNK
 from model.sampling.params import DecodeParams, settable_fields
 from workers.scheduler import ADMISSION_STEPS
 
@@ -33,9 +34,15 @@ class AppArgs(ServerDecodeDefaults):
     max_model_len: int = Field(2048, ge=1)
     max_queue: int = Field(64, ge=0, description="requests waiting for a slot before 429")
     kv_cache_tokens: int | None = Field(None, ge=1, description="the KV cache's positions (pages of 16) per layer "
-                                        "group; default: max_num_seqs x (max_model_len + a canvas)")
+                                        "group; default: on CUDA what gpu_memory_utilization leaves, elsewhere "
+                                        "max_num_seqs x (max_model_len + a canvas)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="the share of each GPU's memory this "
+                                          "server's weights, steps and KV cache may take (KV cache sizing)")
     enable_prefix_caching: bool = Field(True, description="reuse the KV of prompt prefixes and committed blocks "
                                         "that earlier requests wrote (content-addressed pages)")
+    prefill_chunk_tokens: int = Field(PREFILL_CHUNK, ge=1, description="the most prompt positions a command "
+                                      "prefills: a longer prompt is prefilled a chunk at a time between the running "
+                                      "requests' steps")
     prefix_routing: bool = Field(True, description="with several replicas, send a request to the one that caches "
                                  "the most of its prompt (workers/prefix_router.py; with prefix caching only)")
     # A command runs at most this many steps on the shards without a host read (fewer when every
@@ -145,7 +152,7 @@ class AppArgs(ServerDecodeDefaults):
         return dict(num_slots=self.max_num_seqs, max_model_len=self.max_model_len, max_queue=self.max_queue,
                     max_steps_per_command=self.max_steps_per_command, request_timeout_s=self.request_timeout_s,
                     overlap_commands=self.overlap_commands, admission_steps=self.admission_steps,
-                    enable_prefix_caching=self.enable_prefix_caching)
+                    enable_prefix_caching=self.enable_prefix_caching, prefill_chunk=self.prefill_chunk_tokens)
 
     def decode_defaults(self) -> dict:
         return {name: getattr(self, name) for name in ServerDecodeDefaults.model_fields}

@@ -15,6 +15,7 @@ from model.config import (GenerationDefaults, ModelConfig, RenoiseDefaults, form
                           load_generation_defaults)
 from model.families import FAMILIES, Family
 from model.phases import StepBudget
+from model.protocol import PREFILL_CHUNK
 
 
 def parse_model_config(data: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -99,9 +100,11 @@ class RunnerArgs(BaseModel):
     load_format: Literal["safetensors", "dummy"] = "safetensors"
     max_steps_per_command: int = Field(64, ge=1)
     batch_invariant: bool = False
-    # the KV pool in positions (pages of model.protocol.PAGE_SIZE) of each layer group; None: as many as
-    # every slot at max_model_len takes
+    # the KV pool in positions (pages of model.protocol.PAGE_SIZE) of each layer group; None: on CUDA what
+    # gpu_memory_utilization leaves (model/kv_budget.py), elsewhere as many as every slot at max_model_len takes
     kv_cache_tokens: int | None = Field(None, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    prefill_chunk: int = Field(PREFILL_CHUNK, ge=1)   # the scheduler's (how far a sliding group's tables run)
 
     @classmethod
     def read(cls, model_dir: str | Path, **fields) -> "RunnerArgs":

@@ -12,6 +12,14 @@ from model.sampling.params import DecodeParams
 # Positions per KV page. 16, as vLLM's default block: a cache hit is at most 15 tokens short of the shared
 # prefix, and the attention kernel reads a page's keys as one run.
 PAGE_SIZE = 16
+# The most prompt positions one command prefills: a long prompt goes in chunks between the running
+# requests' steps, so its arrival holds their next block back by a chunk's forward, not the prompt's.
+# 2048: the widest prefill a CUDA graph of one row holds at the served shapes' budget, and about a
+# dozen denoising steps' time of the 8B on an H100
+PREFILL_CHUNK = 2048
+# Commands the coordinator keeps at the shards at once (workers/coordinator.py): page tables must cover
+# what this many commands write before the scheduler hears of their results.
+COMMANDS_AHEAD = 2
 
 
 @dataclass(frozen=True)
@@ -34,12 +42,23 @@ class PageRun:
 
 
 @dataclass(frozen=True)
+class PrefillRun:
+    """A slot's prompt positions [start, end) to prefill in a command's first step (a chunk of a long
+    prompt: the slot starts decoding after the run that ends its prompt)."""
+    slot: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class Command:
     release: tuple[int, ...] = ()      # slots to free before anything else (finished or cancelled)
     admit: tuple[NewSlot, ...] = ()    # slots to prefill in this command's first step
     max_steps: int = 1                 # steps to run (a slot that finishes earlier idles until the end;
                                        # the scheduler sizes commands by the slots' steps_left)
     pages: tuple[PageRun, ...] = ()    # page table entries to set, after the releases
+    # prompt chunks to prefill; an admitted slot without one prefills its prompt past its cached prefix whole
+    prefill: tuple[PrefillRun, ...] = ()
 
 
 @dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
 from model.batch_invariant import batch_invariant
 from model.checkpoint import RunnerArgs
@@ -23,9 +24,10 @@ from model.families import FAMILIES
 from model.graphs import (PREFILL_GRAPH_TOKENS, StepGraphs, bucket, capture_sizes, key_buckets, padded_size,
                           prefill_width, prefill_widths)
 from model.interface import DiffusionLM
+from model.kv_budget import ahead_positions, memory_budget, pool_pages, sliding_pages
 from model.outputs import CommandOutputs
 from model.parallel.group import TPGroup
-from model.protocol import PAGE_SIZE, Command, Events, NewSlot
+from model.protocol import PAGE_SIZE, Command, Events, NewSlot, PrefillRun
 from model.sampling.stats import TORCH_PASSES, VocabPasses
 from model.slots import Admission, SlotInfo, SlotTable
 from model.steps.causal import CausalSteps
@@ -70,6 +72,10 @@ class Runner:
         # + C: a canvas (or a verify) may write scratch KV past the budget's last token
         kv = model.kv_layout.cache(num_slots, max_model_len + self.C, dtype, self.device, kv_pages)
         self.managed_pages = kv_pages is not None
+        # (gpu_memory_utilization, prefill_chunk) where warm_up sizes the pool from the device's memory
+        self.pool_sizing: tuple[float, int] | None = None
+        self.pool_report: dict = {}
+        self.prefilling: set[int] = set()   # slots whose prompt is prefilled a chunk at a time, not to its end yet
         slots = SlotTable(num_slots, self.C, cfg.mask_token_id or 0, self.device)
         self.env = StepEnv(model=model, kv=kv, slots=slots,
                            outputs=CommandOutputs(num_slots, self.C, max_steps_per_command, self.device),
@@ -95,12 +101,17 @@ class Runner:
         model = load_model(ckpt.path, tp or TPGroup(), dtype=args.dtype, device=args.device,
                            load_format=args.load_format, config=ckpt.config)
         C = ckpt.config.canvas_length
+        by_memory = args.kv_cache_tokens is None and str(args.device).startswith("cuda")
         tokens = args.kv_cache_tokens or args.num_slots * (args.max_model_len + C)
-        pages = -(-tokens // PAGE_SIZE)
-        return cls(model, num_slots=args.num_slots, max_model_len=args.max_model_len, device=args.device,
-                   renoise_defaults=ckpt.renoise, max_steps_per_command=args.max_steps_per_command,
-                   sampler_passes=sampler_passes(args.device), batch_invariant=args.batch_invariant,
-                   kv_pages=[pages] * len(model.kv_layout.group_windows))
+        # sized from memory: a page a group until size_pool has measured the steps
+        pages = 1 if by_memory else -(-tokens // PAGE_SIZE)
+        runner = cls(model, num_slots=args.num_slots, max_model_len=args.max_model_len, device=args.device,
+                     renoise_defaults=ckpt.renoise, max_steps_per_command=args.max_steps_per_command,
+                     sampler_passes=sampler_passes(args.device), batch_invariant=args.batch_invariant,
+                     kv_pages=[pages] * len(model.kv_layout.group_windows))
+        if by_memory:
+            runner.pool_sizing = (args.gpu_memory_utilization, args.prefill_chunk)
+        return runner
 
     @property
     def pool(self) -> dict:
@@ -137,11 +148,13 @@ class Runner:
         with torch.inference_mode(), batch_invariant(self.batch_invariant):
             for slot in cmd.release:
                 self.slots.info.pop(slot, None)
+                self.prefilling.discard(slot)
             if cmd.release and self.managed_pages:   # a freed slot's table points at no page another may hold
                 self.kv.clear_pages(self.slots.device_index(list(cmd.release)))
             if cmd.pages:
                 self._set_pages(cmd.pages)
             admitted = self._admit(cmd.admit)
+            runs = self._prefill_runs(cmd, admitted)
             events = Events()
             if cmd.max_steps == 0 or not self.slots.info:
                 return events
@@ -156,8 +169,8 @@ class Runner:
             canvas_keys = self._keys(canvas, admitted, steps, self.C) if canvas else 0
             ar_keys = self._keys(ar, admitted, steps, 1) if ar else 0
             for k in range(steps):
-                if k == 0 and admitted:
-                    self._prefill(admitted)
+                if k == 0 and runs:
+                    self._prefill(runs)
                 if canvas:
                     self._run("canvas", self.canvas_step, canvas, canvas_keys)
                 if ar:
@@ -175,13 +188,31 @@ class Runner:
                                  "captured_after_ready": self.graphs.captured - self.graphs.captured_at_freeze}
             return events
 
+    def _prefill_runs(self, cmd: Command, admitted: list[int]) -> list[PrefillRun]:
+        """The command's prompt chunks, an admitted slot without one prefilled whole; a slot whose prompt
+        is not prefilled to its end by them decodes nothing in this command."""
+        runs = list(cmd.prefill)
+        chunked = {r.slot for r in runs}
+        runs += [PrefillRun(s, self.slots.info[s].cached, len(self.slots.info[s].prompt)) for s in admitted
+                 if s not in chunked]
+        for r in runs:
+            prompt = self.slots.info[r.slot].prompt
+            if not 0 <= r.start < r.end <= len(prompt):
+                raise ValueError(f"slot {r.slot}: prefill [{r.start}, {r.end}) of a {len(prompt)}-token prompt")
+            if r.end < len(prompt):
+                self.prefilling.add(r.slot)
+            else:
+                self.prefilling.discard(r.slot)
+        return runs
+
     def _forwards(self, admitted: list[int], steps: int) -> tuple[list[int], list[int]]:
         """The slots of each step's canvas forward and of its AR forward: the AR rows ride in the canvas
         forward (model/steps/masked.py) where the family's canvas step takes them and the extra width
         costs less than a second read of the weights (AR_RIDE_TOKENS). Not in the batch-invariant mode:
         an AR row's bits would then depend on whether canvas rows share its step."""
-        canvas = [s for s, i in sorted(self.slots.info.items()) if i.params.mode in CANVAS_MODES]
-        ar = [s for s, i in sorted(self.slots.info.items()) if i.params.mode == "ar"]
+        ready = [(s, i) for s, i in sorted(self.slots.info.items()) if s not in self.prefilling]
+        canvas = [s for s, i in ready if i.params.mode in CANVAS_MODES]
+        ar = [s for s, i in ready if i.params.mode == "ar"]
         if canvas and ar and self.ar_rides(len(canvas), len(ar), self._keys(canvas + ar, admitted, steps, self.C)):
             return sorted(canvas + ar), []
         return canvas, ar
@@ -205,6 +236,7 @@ class Runner:
         each new kind of plan) and the device memory the graphs hold."""
         assert not self.slots.info, "warm_up runs before any slot is admitted"
         start = time.perf_counter()
+        self.size_pool()
         counts: dict[str, int] = {}
         seconds: dict[str, float] = {}
         longest: dict[str, float] = {}
@@ -224,7 +256,56 @@ class Runner:
             self.canvas_step.update.freeze()
         return {"graphs": counts, "capture_sizes": list(self.sizes), "key_buckets": list(key_buckets(self.kv.max_len)),
                 "seconds": time.perf_counter() - start, "seconds_by_kind": seconds, "longest_by_kind": longest,
-                "graph_bytes": self.graphs.pool_bytes() if self.graphs is not None else 0, **self.pool}
+                "graph_bytes": self.graphs.pool_bytes() if self.graphs is not None else 0, **self.pool,
+                **self.pool_report}
+
+    def size_pool(self) -> None:
+        """Where the pool is sized from memory and is not yet (once, before any slot is admitted; every rank
+        in lockstep), replaces the provisional pool with what the device's memory holds (model/kv_budget.py):
+        the largest step of each kind in the graph set runs eagerly on padding rows, whose KV goes to the
+        sink, for the steps' peak working memory; every rank takes the smallest pool any rank can."""
+        if self.pool_sizing is None:
+            return
+        assert not self.slots.info, "the pool is sized before any slot is admitted"
+        (utilization, prefill_chunk), self.pool_sizing = self.pool_sizing, None
+        graphs, self.graphs = self.graphs, self.graphs or StepGraphs(self.device, capture=False)
+        largest: dict[str, tuple] = {}
+        for kind, key, step, inputs in self._graph_set():   # ordered by rows, then keys or width
+            largest[kind] = (step, inputs)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        with torch.inference_mode(), batch_invariant(self.batch_invariant):
+            for step, inputs in largest.values():
+                step(*inputs)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.graphs = graphs
+        layout, kv = self.model.kv_layout, self.kv
+        provisional = sum(t.numel() * t.element_size() for t in kv.k + kv.v)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = memory_budget(total, free, utilization, peak) + provisional
+        windows = layout.group_windows
+        ahead = ahead_positions(self.max_model_len, prefill_chunk, self.outputs.max_steps, self.C)
+        cap = self.slots.num_slots * max((sliding_pages(w, ahead, kv.page_size) for w in windows if w), default=0)
+        pages = pool_pages(budget, layout.page_bytes(self.env.dtype, kv.page_size), windows, cap)
+        agreed = self.tp.all_reduce(torch.tensor(pages, dtype=torch.int64, device=self.device), dist.ReduceOp.MIN)
+        pages = [int(p) for p in agreed.tolist()]
+        need = -(-(self.max_model_len + self.C) // kv.page_size)
+        if min(p for p, w in zip(pages, windows) if w is None) < need:
+            raise ValueError(f"gpu_memory_utilization={utilization} leaves the KV cache {pages[0]} pages of "
+                             f"{kv.page_size} positions, fewer than one request of max_model_len="
+                             f"{self.max_model_len} needs ({need}): raise gpu_memory_utilization, or lower "
+                             "max_model_len or max_num_seqs, or set kv_cache_tokens")
+        self.env.kv = kv = None
+        torch.cuda.empty_cache()
+        self.env.kv = layout.cache(self.slots.num_slots, self.max_model_len + self.C, self.env.dtype, self.device,
+                                   pages)
+        self.pool_report = {"kv_sizing": {"gpu_memory_utilization": utilization, "total_bytes": total,
+                                          "steps_peak_bytes": peak, "pool_bytes": sum(
+                                              t.numel() * t.element_size() for t in self.kv.k + self.kv.v)}}
 
     def _graph_set(self):
         """(kind, key, step, inputs) of every graph a served step can need: see model/graphs.py."""
@@ -242,7 +323,7 @@ class Runner:
                 for width in prefill_widths(max_len):
                     if rows * width <= PREFILL_GRAPH_TOKENS:
                         plan = graph_plan(rows, width, scored)
-                        host = self._prefill_inputs([pad] * rows, [None] * rows, plan, width)
+                        host = self._prefill_inputs([None] * rows, [None] * rows, plan, width)
                         key = ("prefill", plan)
                         yield "prefill", key, self._prefill_step(plan), self.graphs.static_inputs(key, *host)
 
@@ -280,57 +361,63 @@ class Runner:
             kv.write_pages(group, dev[0], dev[1])
 
     def _keys(self, slots: list[int], admitted: list[int], steps: int, width: int) -> int:
-        """Keys a row can read within the command: its length now (a new slot's: its prompt's) plus what
-        the command can commit (a canvas every other step, or one AR token per step) plus its own width."""
+        """Keys a row can read within the command: its length now (at least its prompt's: a new slot's, or
+        one whose last chunk this command prefills) plus what the command can commit (a canvas every other
+        step, or one AR token per step) plus its own width."""
         t = self.slots
-        start = max(len(t.info[s].prompt) if s in admitted else t.host_length[s] for s in slots)
+        start = max(max(len(t.info[s].prompt), t.host_length[s]) for s in slots)
         growth = -(-steps // 2) * self.C if width == self.C else steps + 1
         return bucket(start + growth + width, self.kv.max_len)
 
     def plan(self, slots: list[int], kv_len: int):
         return plan_rows([self.slots.info[s] for s in slots], kv_len, self.family.uniform_noise)
 
-    def _prefill(self, slots: list[int]) -> None:
-        """The prompts of newly admitted `slots`, past their cached prefixes, in one causal pass; on CUDA a
-        graph's replay, rows padded to a capture size and prompts to a prefill width (model/graphs.py), or
-        eagerly where too wide or where a row starts past a cached prefix."""
+    def _prefill(self, runs: list[PrefillRun]) -> None:
+        """The runs' prompt chunks in one causal pass; on CUDA a graph's replay, rows padded to a capture size
+        and chunks to a prefill width (model/graphs.py), or eagerly where too wide or where a chunk starts
+        past the prompt's first position. A chunk short of its prompt's end writes KV only."""
+        slots = [r.slot for r in runs]
         infos = [self.slots.info[s] for s in slots]
-        longest = max(len(i.prompt) - i.cached for i in infos)
-        fresh = not any(i.cached for i in infos)
+        longest = max(r.end - r.start for r in runs)
+        fresh = not any(r.start for r in runs)
         rows = width = None
         if self.graphs is not None and self.observer is None and fresh:
             rows = padded_size(len(slots), self.sizes)
             width = prefill_width(longest, rows, self.kv.max_len)
-        if width is None:   # eager, at the prompts' own width
+        if width is None:   # eager, at the chunks' own width
             self._count_eager()
-            kv_len = longest if fresh else bucket(max(len(i.prompt) for i in infos), self.kv.max_len)
+            kv_len = longest if fresh else bucket(max(r.end for r in runs), self.kv.max_len)
             plan = self.plan(slots, kv_len)
-            host = self._prefill_inputs(slots, infos, plan, longest)
+            host = self._prefill_inputs(runs, infos, plan, longest)
             self._prefill_step(plan, fresh)(*(h.to(self.device, non_blocking=True) for h in host))
             return
         pad = rows - len(slots)
         plan = graph_plan(rows, width, self.canvas_step.needs_prediction and any(i.wants_scores for i in infos))
-        host = self._prefill_inputs(slots + [self.slots.pad] * pad, infos + [None] * pad, plan, width)
+        host = self._prefill_inputs(runs + [None] * pad, infos + [None] * pad, plan, width)
         key = ("prefill", plan)
         self.graphs.run(key, self._prefill_step(plan), *self.graphs.static_inputs(key, *host))
 
     def _prefill_step(self, plan: RowPlan, fresh: bool = True):
         return lambda *inputs: self.causal.prefill(plan, *inputs, fresh=fresh)
 
-    def _prefill_inputs(self, slots: list[int], infos: list[SlotInfo | None], plan: RowPlan,
+    def _prefill_inputs(self, runs: list[PrefillRun | None], infos: list[SlotInfo | None], plan: RowPlan,
                         width: int) -> tuple[torch.Tensor, ...]:
-        """Pinned host tensors of a prefill: slots, scored rows, tokens [B, width] (each prompt past its
-        cached prefix), starts, lengths, modes [B, 3] (a padding row, info None: one token 0 at 0, no mode)."""
+        """Pinned host tensors of a prefill: slots, scored rows, tokens [B, width] (each run's chunk),
+        starts, lengths, modes [B, 3] (a padding row, run None: the padding slot, one token 0 at 0; a
+        chunk short of its prompt's end: no mode, so nothing of its slot but its length changes)."""
         pinned = self.device.type == "cuda"
-        tokens = torch.zeros(len(slots), width, dtype=torch.int64, pin_memory=pinned)
-        for row, info in enumerate(infos):
-            if info is not None:
-                tokens[row, : len(info.prompt) - info.cached] = torch.tensor(info.prompt[info.cached:])
-        modes = [None if i is None else i.params.mode for i in infos]
-        return (torch.tensor(slots, dtype=torch.int64, pin_memory=pinned),
+        tokens = torch.zeros(len(runs), width, dtype=torch.int64, pin_memory=pinned)
+        modes = []
+        for row, (run, info) in enumerate(zip(runs, infos)):
+            if run is not None:
+                tokens[row, : run.end - run.start] = torch.tensor(info.prompt[run.start:run.end])
+            final = run is not None and run.end == len(info.prompt)
+            modes.append(info.params.mode if final else None)
+        return (torch.tensor([self.slots.pad if r is None else r.slot for r in runs], dtype=torch.int64,
+                             pin_memory=pinned),
                 torch.tensor(list(plan.scored), dtype=torch.int64, pin_memory=pinned), tokens,
-                torch.tensor([0 if i is None else i.cached for i in infos], dtype=torch.int64, pin_memory=pinned),
-                torch.tensor([1 if i is None else len(i.prompt) - i.cached for i in infos], dtype=torch.int64,
+                torch.tensor([0 if r is None else r.start for r in runs], dtype=torch.int64, pin_memory=pinned),
+                torch.tensor([1 if r is None else r.end - r.start for r in runs], dtype=torch.int64,
                              pin_memory=pinned),
                 torch.tensor([[mode == m for m in ("diffusion", "linear_spec", "ar")] for mode in modes],
                              dtype=torch.bool, pin_memory=pinned))

@@ -94,7 +94,7 @@ async def _build(model_dir: str, args: dict, checkpoint: Checkpoint):
     a = AppArgs(**args)
     runner_args = RunnerArgs(checkpoint=checkpoint, num_slots=a.max_num_seqs, max_model_len=a.max_model_len,
                              dtype=a.torch_dtype("cpu"), device="cpu", max_steps_per_command=a.max_steps_per_command,
-                             kv_cache_tokens=a.kv_cache_tokens)
+                             kv_cache_tokens=a.kv_cache_tokens, prefill_chunk=a.prefill_chunk_tokens)
     deployment = object.__new__(CoordinatorDeployment.func_or_class)
     deployment.coordinator = _coordinator(checkpoint, ThreadShards(runner_args), a)
     await deployment.coordinator.start()

@@ -141,7 +141,7 @@ def test_the_coordinator_takes_the_engine_arguments_build_app_passes():
     bound = inspect.signature(Coordinator).bind(None, None, **args).arguments
     assert {k: bound[k] for k in args} == dict(num_slots=3, max_queue=5, max_steps_per_command=16,
                                                overlap_commands=False, admission_steps=4, request_timeout_s=30,
-                                               max_model_len=1024, enable_prefix_caching=True)
+                                               max_model_len=1024, enable_prefix_caching=True, prefill_chunk=2048)
 
 
 def test_quantization_argument_is_checked_against_the_checkpoint_at_deploy(tiny_nemotron, tmp_path):

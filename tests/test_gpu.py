@@ -469,3 +469,76 @@ def test_invariant_kernels_on_cuda(dtype):
     h = torch.randn(300, 2816, device="cuda", generator=gen).to(dtype)
     s = K.row_sum(h, square=True)
     assert torch.allclose(s, h.float().pow(2).sum(-1), rtol=1e-5) and torch.equal(K.row_sum(h[7:8], square=True), s[7:8])
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_the_kv_pool_is_sized_from_gpu_memory(family, tiny_nemotron, tiny_gemma):
+    """gpu_memory_utilization: the pool takes what the share leaves after everything in use and twice
+    the steps' measured peak; a sliding group stops at what its slots can hold at once; the pool serves
+    what a pool of kv_cache_tokens serves; a share too small for one request is a clear error."""
+    import gc
+
+    from model.kv_budget import ahead_positions, sliding_pages
+    from model.protocol import PREFILL_CHUNK
+    from model.sampling.params import DecodeParams
+    from workers.engine import Engine
+
+    model_dir = tiny_nemotron if family == "nemotron" else tiny_gemma
+    probe = ([1] + list(range(101, 141)), DecodeParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1))
+    with Engine(model_dir, num_slots=4, max_model_len=512, device="cuda", dtype="bfloat16") as e:
+        expected = served.generate(e, [probe[0]], [probe[1]])[0]
+    free, total = torch.cuda.mem_get_info()
+    with Engine(model_dir, num_slots=4, max_model_len=512, device="cuda", dtype="bfloat16",
+                gpu_memory_utilization=0.25) as e:
+        runner = e.shards.runner
+        sizing, kv = runner.pool_report["kv_sizing"], runner.kv
+        assert sizing["total_bytes"] == total and sizing["steps_peak_bytes"] > 0
+        assert sizing["pool_bytes"] <= 0.25 * total - (total - free) - 2 * sizing["steps_peak_bytes"] + 2**20
+        assert sizing["pool_bytes"] > 0.9 * (0.25 * total - (total - free) - 2 * sizing["steps_peak_bytes"]) - 2**30
+        full = [n for n, w in zip(kv.num_pages, kv.windows) if w is None]
+        assert full[0] * kv.page_size > 100 * 4 * (512 + runner.C)
+        for n, w in zip(kv.num_pages, kv.windows):
+            if w is not None:
+                cap = 4 * sliding_pages(w, ahead_positions(512, PREFILL_CHUNK, runner.outputs.max_steps, runner.C),
+                                        kv.page_size)
+                assert n == min(full[0], cap)
+        assert e.scheduler.pages.capacity_tokens == full[0] * kv.page_size
+        got = served.generate(e, [probe[0]], [probe[1]])[0]
+        assert got.output == expected.output
+        del runner, kv
+    gc.collect()
+    torch.cuda.empty_cache()
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.001"):
+        Engine(model_dir, num_slots=4, max_model_len=512, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.001)
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_cuda_cached_and_chunked_prefills_equal_cold_bit_for_bit(family, tiny_nemotron, tiny_gemma):
+    """batch_invariant=true in bf16: a request served past a cached prefix, and one whose prompt is
+    prefilled in chunks beside a decoding neighbour, give the tokens and logprobs of the request served
+    cold and whole, to the bit (every prefill reads its keys through the cache with one kernel)."""
+    from model.sampling.params import DecodeParams
+    from workers.engine import Engine
+
+    model_dir = tiny_nemotron if family == "nemotron" else tiny_gemma
+    rng = random.Random(11)
+    prompts = [[2] + [rng.randrange(10, 900) for _ in range(n)] for n in (150, 97, 40)]
+    params = [DecodeParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+              DecodeParams(seed=3, max_tokens=33, ignore_eos=True, logprobs=1),
+              DecodeParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0)]
+    kw = dict(num_slots=4, max_model_len=512, device="cuda", dtype="bfloat16", batch_invariant=True)
+
+    def same(got, ref):
+        assert got.output == ref.output and got.logprobs == ref.logprobs and got.top_ids == ref.top_ids
+
+    with Engine(model_dir, enable_prefix_caching=False, **kw) as never:
+        cold = [served.generate(never, [p], [q])[0] for p, q in zip(prompts, params)]
+    with Engine(model_dir, **kw) as e:
+        served.generate(e, prompts, params)
+        again = served.generate(e, prompts, params)
+        assert e.scheduler.pages.hits > 0
+    with Engine(model_dir, enable_prefix_caching=False, prefill_chunk=32, **kw) as e:
+        chunked = served.generate(e, prompts, params)
+    for a, c, ref in zip(again, chunked, cold):
+        same(a, ref)
+        same(c, ref)

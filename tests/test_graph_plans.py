@@ -114,7 +114,8 @@ def test_a_step_outside_the_set_runs_eagerly_and_is_counted(tiny_nemotron):
     prompts = [[1] + [7] * (long - 1), [1] + [9] * (long - 2)]
     with Engine(tiny_nemotron, num_slots=rows, max_model_len=long + 64, dtype="float32") as e:
         expected = outcome(e, prompts, [params] * 2)
-    with Engine(tiny_nemotron, num_slots=rows, max_model_len=long + 64, dtype="float32") as e:
+    with Engine(tiny_nemotron, num_slots=rows, max_model_len=long + 64, dtype="float32",
+                prefill_chunk=rows * long) as e:   # both prompts in one command's prefill
         runner = e.shards.runner
         runner.graphs = StepGraphs(torch.device("cpu"), capture=False)
         runner.warm_up()

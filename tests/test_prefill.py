@@ -54,7 +54,7 @@ def test_a_long_prefill_is_not_padded(tiny_nemotron):
     """Past PREFILL_GRAPH_TOKENS (rows x width) a prefill runs eagerly at its prompts' own width."""
     rows = 2
     long = PREFILL_GRAPH_TOKENS // rows + 1
-    with Engine(tiny_nemotron, num_slots=rows, max_model_len=long + 64) as e:
+    with Engine(tiny_nemotron, num_slots=rows, max_model_len=long + 64, prefill_chunk=rows * long) as e:
         e.shards.runner.graphs = graphs = EagerGraphs()
         e.generate([[1] + [7] * (long - 1)] * rows, DecodeParams(max_tokens=1, ignore_eos=True))
     assert not [key for key in graphs.graphs if key[0] == "prefill"]

@@ -175,3 +175,29 @@ def test_tensor_parallel_from_the_cache_equals_tp1_cold(tiny_nemotron):
         assert tp2.scheduler.pages.hits == 32 + 16
     for got, ref in zip(again, cold):
         assert_same(got, ref)
+
+
+def test_a_long_prompt_prefilled_in_chunks_gives_what_it_gives_whole(family):
+    """Prompts prefilled 24 positions a command (a chunk of one, then of two) give each request what it
+    gets prefilled whole, beside a request that decodes meanwhile, and a chunked prompt's pages are
+    cached for the next request as its chunks are written."""
+    name, model_dir = family
+    params = [DecodeParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1),
+              DecodeParams(seed=4, max_tokens=30, logprobs=0),
+              DecodeParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    prompts = [prompt(120, 70), prompt(121, 55), prompt(122, 9)]
+    with engine(model_dir, caching=False) as never:
+        whole = [served.generate(never, [p], [q])[0] for p, q in zip(prompts, params)]
+    with engine(model_dir, prefill_chunk=24) as e:
+        commands = []
+        execute = e.shards.execute
+        e.shards.execute = lambda cmd: (commands.append(cmd), execute(cmd))[1]
+        got = served.generate(e, prompts, params)
+        chunks = [r for cmd in commands for r in cmd.prefill]
+        assert max(r.end - r.start for r in chunks) <= 24 and len(chunks) >= 6
+        assert sum(len(cmd.prefill) > 0 and cmd.max_steps >= 1 for cmd in commands) >= 5
+        again = served.generate(e, prompts[:1], params[:1])[0]
+        assert_no_page_held(e)
+    for g, w in zip(got, whole):
+        assert_same(g, w)
+    assert_same(again, whole[0])

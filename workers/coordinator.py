@@ -19,7 +19,7 @@ from collections import deque
 from typing import AsyncIterator
 
 from model.checkpoint import Checkpoint
-from model.protocol import StepCounters
+from model.protocol import PREFILL_CHUNK, StepCounters
 from model.sampling.params import DecodeParams, ParamError
 from workers.failures import ShardFailure
 from workers.kv_pages import KVPages
@@ -78,7 +78,7 @@ class Coordinator:
     def __init__(self, checkpoint: Checkpoint, shards, *, num_slots: int, max_model_len: int, max_queue: int,
                  max_steps_per_command: int, seed: int = 0, request_timeout_s: float = 600.0,
                  overlap_commands: bool = True, admission_steps: int = ADMISSION_STEPS,
-                 enable_prefix_caching: bool = True, cache_salt: bytes = b""):
+                 enable_prefix_caching: bool = True, cache_salt: bytes = b"", prefill_chunk: int = PREFILL_CHUNK):
         self.checkpoint = checkpoint
         self.config = self.checkpoint.config
         self.budget = self.checkpoint.budget   # what the shards' runners bound steps by
@@ -89,6 +89,7 @@ class Coordinator:
         self.commands_in_flight = 2 if overlap_commands else 1
         self.admission_steps = admission_steps
         self.prefix_caching, self.cache_salt = enable_prefix_caching, cache_salt
+        self.prefill_chunk = prefill_chunk
         self.shard_busy_s = 0.0   # the runners' execute time (rank 0), summed over commands
         self.warm_up: dict = {}        # rank 0's last warm-up report (model.runner.Runner.warm_up)
         self.scheduler = self._new_scheduler()
@@ -116,7 +117,7 @@ class Coordinator:
             if "kv_groups" in self.warm_up else None
         return Scheduler(self.num_slots, self.max_queue, self.config.eos_token_ids, self.max_model_len,
                          self.config.canvas_length, self.max_steps_per_command, self.seed, self.budget,
-                         self.admission_steps, pages)
+                         self.admission_steps, pages, self.prefill_chunk)
 
     async def start(self) -> None:
         """Starts the shards (once; a request arriving during a start or a rebuild waits for it) and

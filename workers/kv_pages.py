@@ -16,6 +16,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from model.kv_budget import sliding_pages
+
 
 def page_hashes(tokens: Sequence[int], page_size: int, salt: bytes, start: bytes | None = None) -> list[bytes]:
     """The content address of each full page of `tokens`: blake2b of (the previous page's address, the
@@ -221,7 +223,7 @@ class KVPages:
         at most `ahead` positions past what is known of its length."""
         P = self.page_size
         full = -(-positions // P)
-        return [full if g.window is None else min(full, g.window_pages(P) + -(-ahead // P) + 2) for g in self.groups]
+        return [full if g.window is None else min(full, sliding_pages(g.window, ahead, P)) for g in self.groups]
 
     def fits_ever(self, positions: int, ahead: int) -> bool:
         """Whether an empty pool could take such a request."""

@@ -60,6 +60,7 @@ class Request:
     last_draft: CanvasDraft | None = None
     steps_left: int | None = None            # bound on the steps its slot can still run (model/phases.py)
     cached_tokens: int = 0                   # its prompt's tokens whose KV the prefix cache served
+    prefilled: int = 0                       # its prompt's positions whose prefill is scheduled (chunks)
 
     @property
     def latencies(self) -> dict[str, float | list[float] | None]:

@@ -17,7 +17,7 @@ from collections import deque
 from typing import Sequence
 
 from model.phases import StepBudget
-from model.protocol import Command, Events, NewSlot, PageRun, StepCounters
+from model.protocol import COMMANDS_AHEAD, PREFILL_CHUNK, Command, Events, NewSlot, PageRun, PrefillRun, StepCounters
 from model.sampling.params import DecodeParams, ParamError
 from workers.kv_pages import KVPages
 from workers.request import Request, RequestOutput
@@ -37,21 +37,19 @@ class QueueFull(Exception):
     """The bounded waiting queue is full; the caller should retry later (HTTP 429/503, Retry-After)."""
 
 
-# Commands the coordinator keeps at the shards at once (workers/coordinator.py): page tables must cover
-# what this many commands write before the scheduler hears of their results.
-COMMANDS_AHEAD = 2
 
 
 class Scheduler:
     def __init__(self, num_slots: int, max_queue: int, eos_token_ids: Sequence[int], max_model_len: int,
                  canvas_length: int, max_steps_per_command: int = 8, seed: int = 0,
                  budget: StepBudget | None = None, admission_steps: int = ADMISSION_STEPS,
-                 pages: KVPages | None = None):
+                 pages: KVPages | None = None, prefill_chunk: int = PREFILL_CHUNK):
         """budget: the runner's step bounds for admitted requests; None sizes every command at
         max_steps_per_command until the runner's events report bounds. admission_steps: the most steps
         of a command while a burst of requests may be arriving (above). pages: the KV pool's pages, which
         admission goes by and commands set the shards' page tables from (None: every slot has its own
-        pages for max_model_len positions)."""
+        pages for max_model_len positions). prefill_chunk: the most prompt positions a command prefills (a
+        longer prompt is prefilled a chunk a command, between the running requests' steps)."""
         for name, value, least in (("num_slots", num_slots, 1), ("max_queue", max_queue, 0),
                                    ("max_model_len", max_model_len, 1), ("canvas_length", canvas_length, 1),
                                    ("max_steps_per_command", max_steps_per_command, 1),
@@ -67,6 +65,9 @@ class Scheduler:
         self.admission_steps = admission_steps
         self.budget = budget
         self.pages = pages
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1")
+        self.prefill_chunk = prefill_chunk
         self.counters = StepCounters()   # totals since start (docs/spec.md section 8)
         self._rng = random.Random(seed)
         self._slots: list[Request | None] = [None] * num_slots
@@ -159,28 +160,42 @@ class Scheduler:
         return -(-steps // 2) * self.canvas_length + self.canvas_length
 
     def _ahead(self, prompt_len: int, params: DecodeParams) -> int:
-        """How far a request's page tables can run past its known length: its prompt (the prefill writes it
-        at once), then the commands in flight and the next."""
-        return prompt_len + self._growth(params, COMMANDS_AHEAD * self.max_steps_per_command)
+        """How far a request's page tables can run past its known length: a prompt chunk (a command's
+        prefill writes it at once), then the commands in flight and the next."""
+        return min(prompt_len, self.prefill_chunk) + self._growth(params, COMMANDS_AHEAD * self.max_steps_per_command)
 
-    def _page_runs(self, admitted: list[Request], running: list[Request], steps: int) -> tuple[PageRun, ...]:
-        """The page table entries this command's steps need: every running request's tables cover what the
-        commands in flight and this one can write, and its sliding windows let go behind its known
-        length."""
+    def _page_runs(self, chunks: dict[str, tuple[int, int]], running: list[Request], steps: int
+                   ) -> tuple[PageRun, ...]:
+        """The page table entries this command's steps need: a request prefilling a chunk, its chunk (and
+        what its first steps write, if the chunk ends its prompt); every other request, what the commands
+        in flight and this one can write. Sliding windows let go behind what is known of each length."""
         later = sum(s for s, _ in self._in_flight) + steps
-        new = {r.request_id for r in admitted}
         runs = []
         for request in running:
-            rid, params = request.request_id, request.params
-            if rid in new:
-                known, end = request.cached_tokens, len(request.prompt) + self._growth(params, steps)
+            rid, params, n = request.request_id, request.params, len(request.prompt)
+            if rid in chunks:
+                known, end = chunks[rid]
+                if end == n:
+                    end += self._growth(params, steps)
+            elif request.prefilled < n:   # waits for a later command's chunk
+                continue
             else:
-                known = len(request.prompt) + max(len(request.output) - 1, 0)   # at most the device's length
+                known = n + max(len(request.output) - 1, 0)   # at most the device's length
                 end = known + 1 + self._growth(params, later)
-            self.pages.extend(rid, min(end, self._kv_positions(len(request.prompt), params)), known)
+            self.pages.extend(rid, min(end, self._kv_positions(n, params)), known)
             for group, first, pages in self.pages.changes(rid):
                 runs.append(PageRun(group, request.slot, first, tuple(-1 if p is None else p for p in pages)))
         return tuple(runs)
+
+    def _chunk(self, request: Request, budget: int) -> tuple[int, int]:
+        """The next chunk of a request's prompt within `budget` positions (at least one)."""
+        start = request.prefilled
+        end = min(len(request.prompt), start + max(budget, 1))
+        request.prefilled = end
+        if self.pages is not None:   # written in this command's first step, before anything later reads them
+            self.pages.extend(request.request_id, end, start)
+            self.pages.register(request.request_id, request.prompt, written=end)
+        return start, end
 
     def schedule(self, ahead: bool = False) -> Command | None:
         """The next command: pending releases, then waiting requests into the lowest free slots (in order:
@@ -188,10 +203,17 @@ class Scheduler:
         flight), None unless it has a forward worth queueing behind them."""
         if ahead and not self._worth_queueing():
             return None
-        admit, admitted = [], []
+        admit, chunks = [], {}
+        budget = self.prefill_chunk
+        for request in self._slots:   # requests whose long prompts are prefilled a chunk a command, in turn
+            if request is not None and request.prefilled < len(request.prompt) and budget > 0:
+                chunks[request.request_id] = self._chunk(request, budget)
+                budget -= chunks[request.request_id][1] - chunks[request.request_id][0]
         free = [s for s, r in enumerate(self._slots) if r is None]
         for slot in free[: len(self._waiting)]:
             request = self._waiting[0]
+            if budget <= 0:   # this command's prefill is full: the next takes it
+                break
             if self.pages is not None:
                 got = self.pages.admit(request.request_id, request.prompt,
                                        self._kv_positions(len(request.prompt), request.params),
@@ -199,23 +221,25 @@ class Scheduler:
                 if got is None:
                     break
                 request.cached_tokens = got.cached_tokens
-                # its prompt's pages, cached at once: this command's prefill writes them before any later
-                # step or command reads them, and a request admitted beside it reads them in the same pass
-                self.pages.extend(request.request_id, len(request.prompt), got.cached_tokens)
-                self.pages.register(request.request_id, request.prompt, written=len(request.prompt))
+            request.prefilled = request.cached_tokens
+            # its first chunk's pages are cached at once: a request admitted beside it reads them in the
+            # same prefill pass, and later ones after it
+            chunks[request.request_id] = self._chunk(request, budget)
+            budget -= chunks[request.request_id][1] - chunks[request.request_id][0]
             self._waiting.popleft()
             request.slot = slot
             request.steps_left = self.budget.at_admission(request.params) if self.budget else None
             self._slots[slot], self._admitted_by[slot] = request, self._scheduled
             admit.append(NewSlot(slot, request.prompt, request.params, request.seed, request.cached_tokens))
-            admitted.append(request)
         running = [r for r in self._slots if r is not None]
         if not (running or admit or self._release):
             return None
         release, self._release = tuple(self._release), []
         self._scheduled += 1
-        # With nothing left running, the command only frees slots: no forward to run.
-        steps = self._command_steps(running) if running else 0
+        # With nothing left running, the command only frees slots: no forward to run; with nothing decoding
+        # yet (every request mid-prefill), one step: the next chunk comes with the next command.
+        decoding = [r for r in running if r.prefilled >= len(r.prompt)]
+        steps = (self._command_steps(decoding) if decoding else 1) if running else 0
         # slots that free with the commands in flight or within a short command: where the next requests go
         freeing = sum(r.steps_left is not None and r.steps_left <= self.admission_steps for r in running)
         few = len(running) - freeing <= self.num_slots // 2
@@ -225,9 +249,14 @@ class Scheduler:
         for request in running:
             if request.steps_left is not None:
                 request.steps_left = max(request.steps_left - steps, 0)
-        runs = self._page_runs(admitted, running, steps) if self.pages is not None else ()
+        runs = self._page_runs(chunks, running, steps) if self.pages is not None else ()
+        # an admitted request whose prompt (past its cached prefix) is prefilled whole needs no run: the shard
+        # prefills a new slot whole unless told otherwise
+        whole = {a.slot: (a.cached, len(a.prompt)) for a in admit}
+        prefill = tuple(PrefillRun(r.slot, *chunks[r.request_id]) for r in running
+                        if r.request_id in chunks and whole.get(r.slot) != chunks[r.request_id])
         self._in_flight.append((steps, short and bool(admit)))
-        return Command(release, tuple(admit), steps, runs)
+        return Command(release, tuple(admit), steps, runs, prefill)
 
     def _worth_queueing(self) -> bool:
         """A queued command is worth it if it admits a waiting request into a free slot, or, unless a

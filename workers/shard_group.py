@@ -26,6 +26,7 @@ from workers.failures import ShardFailure
 class InProcessShards:
     def __init__(self, args: RunnerArgs):
         self.runner = Runner.from_checkpoint(args)
+        self.runner.size_pool()
         self.pool = self.runner.pool   # the KV pool's groups and page size
 
     def execute(self, cmd: Command) -> Events:
@@ -46,6 +47,7 @@ def _rank_main(rank: int, world: int, init_file: str, args: RunnerArgs, commands
                                              world_size=world)
         torch.set_num_threads(1)
         runner = Runner.from_checkpoint(args.model_copy(update={"device": device}), TPGroup.from_default_group(device))
+        runner.size_pool()
         answers.put(("ready", runner.pool))
         while True:
             cmd = commands.get()

@@ -22,8 +22,8 @@ class CausalSteps:
                 starts: torch.Tensor, lengths: torch.Tensor, modes: torch.Tensor, fresh: bool = True) -> None:
         """Rows idx of `tokens` [B, width] (real up to `lengths`) at positions from `starts` (a cached
         prefix's end; 0 for all rows where `fresh`), modes [B, 3] (diffusion, linear_spec, ar): their KV,
-        then what their last position predicts. Device ops only. A padding row (model/graphs.py) has no
-        mode, and no state of it changes but its length and draws."""
+        then what their last position predicts. Device ops only. A padding row (model/graphs.py), and a
+        chunk short of its prompt's end, has no mode: no state of its slot changes but its length."""
         env, t = self.env, self.env.slots
         causal = torch.ones_like(idx, dtype=torch.bool)
         width = tokens.shape[1]
@@ -41,7 +41,7 @@ class CausalSteps:
         scores = env.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs, idx) if plan.scored else None
         env.observe("before", "prefill", idx, x)
         self.after_causal(idx, st.sample[:, 0], scores, scored, modes[:, 0], modes[:, 1], modes[:, 2])
-        t.draws[idx] += 1
+        t.draws[idx] += real.long()   # a chunk short of its prompt's end draws nothing: its draws wait for the last
         env.observe("after", "prefill", idx)
 
     def after_causal(self, idx, token, scores, scored, is_diffusion, is_spec, is_ar) -> None:
