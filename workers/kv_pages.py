@@ -12,6 +12,8 @@ tables themselves live on the shards' devices; the scheduler sends them the page
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,10 +26,14 @@ def page_hashes(tokens: Sequence[int], page_size: int, salt: bytes, start: bytes
     page's token ids), the first page's previous address being `start` or blake2b(salt). Deterministic
     across processes (the router and every replica compute the same chain)."""
     parent = start if start is not None else hashlib.blake2b(salt, digest_size=16).digest()
+    n = len(tokens) // page_size
+    ids = array("I", tokens[: n * page_size])   # each id as 4 bytes, little-endian: one conversion a prompt
+    if sys.byteorder == "big":
+        ids.byteswap()
+    data, width = ids.tobytes(), 4 * page_size
     out = []
-    for i in range(len(tokens) // page_size):
-        page = tokens[i * page_size:(i + 1) * page_size]
-        parent = hashlib.blake2b(parent + b"".join(t.to_bytes(4, "little") for t in page), digest_size=16).digest()
+    for i in range(n):
+        parent = hashlib.blake2b(parent + data[i * width:(i + 1) * width], digest_size=16).digest()
         out.append(parent)
     return out
 
