@@ -56,6 +56,14 @@ serve: $(STAMP)
 bench:
 	python3 -m benchmarks.roofline $(ARGS)
 
+# Prefix caching (on / off) and chunked prefill (chunked / unchunked) as a client sees them, each setting on
+# a server started cold for it (MODEL=/path/to/checkpoint, default the tiny model), and a result file
+# (benchmarks/results.py; $OUT where set). ARGS= more flags or server KEY=VALUE arguments, e.g.
+# ARGS="device=cpu --workload conversations" (--help lists them; docs/benchmarking.md).
+.PHONY: bench-cache
+bench-cache: $(STAMP)
+	$(PY) -m benchmarks.cache_bench $(if $(MODEL),--model $(MODEL)) $(ARGS)
+
 # On the GPU host, like bench: the FP8 kernels' sweeps that choose tiles for DiffusionGemma (mostly
 # compiles): the experts' grouped kernel per projection at 1-16 canvases, over the dense and the chunked
 # weight (the served layout), against the read floor and CUTLASS, then the dense projections' cuBLAS
