@@ -197,6 +197,13 @@ TABLES: dict[str, Table] = {
         Row("  the long prompt's TTFT chunked / unchunked (s)",
             ("long_prompt_ttft_s_chunked", "long_prompt_ttft_s_unchunked"), ".3g", card="CPU"),
     )),
+    # docs/benchmarking.md: benchmarks/prefix_lookup_bench.py, the scheduler alone (no model)
+    "prefix-lookup": Table("10k+ cached pages, 4k-token prompts", (
+        Row("a prompt's lookup (us); the scheduler's time a command (us)",
+            ("lookup_us_per_request", "schedule_us_per_command"), ".3g", card="CPU"),
+        Row("the lookups' share of the scheduler's time", ("lookup_share_of_schedule",), ".3g",
+            "< 0.05 of a command's host time", "CPU"),
+    )),
     # docs/testing.md: scripts/soak_gpu.py (make soak-gpu) on each family's full-size shape
     "soak-gpu": Table("GPU soak", tuple(row for model, name in ((NL, "Nemotron-LD 8B"), (DG, "DiffusionGemma 26B-A4B"))
                                         for row in (

@@ -7,10 +7,11 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from benchmarks import results, roofline, serve_bench, step_bound, traffic
+from benchmarks import cache_bench, prefix_lookup_bench, results, roofline, serve_bench, step_bound, traffic
 from benchmarks.bench_stats import RequestResult, summarize
 from benchmarks.result_tables import TABLES
 from benchmarks.results import Result, Row, Table
+from tests.test_cache_bench import sample_result as cache_bench_result
 
 # figures no benchmark writes: backfilled from the README's profiles, attention sweep and GPU soak
 BACKFILLED = (".profile_ms.", ".experts_read_ms", "attention.", "soak.")
@@ -186,5 +187,7 @@ def test_every_figure_a_table_names_is_one_a_benchmark_writes(tmp_path, monkeypa
     monkeypatch.setattr(step_bound, "shape_of", lambda family: None)
     step_bound.main(["--results-dir", str(tmp_path)])
     written |= {k for r in results.load(tmp_path).values() for k in r.figures}
+    written |= set(cache_bench.figures(cache_bench_result()))
+    written |= set(prefix_lookup_bench.measure(cached_pages=20, prompt_len=64, requests=2))
     named = {k for table in TABLES.values() for row in table.rows for k in row.keys}
     assert {k for k in named if not any(b in k for b in BACKFILLED)} <= written
