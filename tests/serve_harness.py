@@ -87,15 +87,35 @@ def delete_apps(timeout_s: float = 60.0) -> None:
 
 
 @contextlib.contextmanager
-def serving(apps: dict[str, object]) -> Iterator[int]:
-    """The shared Ray + Serve with each built app under /<name>; yields the port; deletes the apps after."""
+def serving(apps: dict[str, object], timeout_s: float = 300.0) -> Iterator[int]:
+    """The shared Ray + Serve with each built app under /<name>, deployed side by side (their replicas
+    start together); yields the port once every app runs; deletes the apps after."""
     port = shared_serve()
     try:
         for name, app in apps.items():
-            serve.run(app, name=name, route_prefix=f"/{name}")
+            serve._run(app, name=name, route_prefix=f"/{name}", _blocking=False)
+        wait_running(list(apps), timeout_s)
         yield port
     finally:
         delete_apps()
+
+
+def wait_running(names: list[str], timeout_s: float) -> None:
+    """Until every app named is RUNNING (bounded); an app whose deploy failed fails at once, with Serve's
+    message."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = serve.status().applications
+        for name in names:
+            app = status.get(name)
+            if app is not None and app.status == "DEPLOY_FAILED":
+                raise RuntimeError(f"app {name} failed to deploy: {app.message}")
+        if all(name in status and status[name].status == "RUNNING" for name in names):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"apps not running after {timeout_s} s: "
+                               f"{ {n: status[n].status for n in names if n in status} }")
+        time.sleep(0.2)
 
 
 def completions_url(port: int, app: str) -> str:

@@ -1,6 +1,6 @@
 """Routing that follows the prefix cache (workers/prefix_router.py): with two Coordinator replicas, 8
 conversations of 4 turns each are served with a cache hit rate at least 0.9 of one replica's, through
-Serve's request router and real HTTP. And the
+Serve's request router and real HTTP; Serve's default router's rate is reported beside it. And the
 router's own choices: a cold prompt's replica by rendezvous hashing, a warm one where its pages are,
 an overloaded holder passed over."""
 import asyncio
@@ -50,24 +50,26 @@ def converse(post, seed: int) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def rates(tiny_nemotron):
     """The hit rate on the same conversations of one replica (the app in this process: the same engine
-    and cache, without Serve) and of two replicas routed by prefix through Serve and real HTTP. (Serve's
-    default router gives a lower rate on the same conversations, by chance: no bound to test.)"""
+    and cache, without Serve), of two replicas routed by prefix and of two under Serve's default router,
+    both through Serve and real HTTP (deployed side by side, served one after the other)."""
     common = dict(served_model_name="tiny", max_model_len=1024, max_num_seqs=8)
     with inprocess_app(tiny_nemotron, **common) as app:
         prompts, cached = converse(lambda body: app.post("/v1/chat/completions", json=body, timeout=120).json(), 1)
     out = {"one": cached / prompts}
-    with serving({"routed": build_app({**common, "model": str(tiny_nemotron), "num_replicas": 2,
-                                       "shard_cpus": 0.5})}) as port:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/routed/v1", api_key="x", max_retries=0,
-                               timeout=120)
+    two = {**common, "model": str(tiny_nemotron), "num_replicas": 2, "shard_cpus": 0.5}
+    with serving({"routed": build_app(two), "default": build_app({**two, "prefix_routing": False})}) as port:
+        for name in ("routed", "default"):
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/{name}/v1", api_key="x", max_retries=0,
+                                   timeout=120)
 
-        def post(body: dict) -> dict:
-            extra = {"ignore_eos": body.pop("ignore_eos")}
-            return client.chat.completions.create(**body, extra_body=extra).model_dump()
+            def post(body: dict, client=client) -> dict:
+                extra = {"ignore_eos": body.pop("ignore_eos")}
+                return client.chat.completions.create(**body, extra_body=extra).model_dump()
 
-        prompts, cached = converse(post, seed=1)
-    out["routed"] = cached / prompts
-    print(f"\nprefix cache hit rate: one replica {out['one']:.3f}, two routed by prefix {out['routed']:.3f}")
+            prompts, cached = converse(post, seed=1)
+            out[name] = cached / prompts
+    print(f"\nprefix cache hit rate: one replica {out['one']:.3f}, two routed by prefix {out['routed']:.3f}, "
+          f"two by Serve's default router {out['default']:.3f}")
     return out
 
 
