@@ -201,3 +201,25 @@ def test_a_long_prompt_prefilled_in_chunks_gives_what_it_gives_whole(family):
     for g, w in zip(got, whole):
         assert_same(g, w)
     assert_same(again, whole[0])
+
+
+def test_a_short_prompt_behind_a_long_one_starts_before_the_long_one_is_prefilled(tiny_nemotron):
+    """While a request waits for a slot, a long prompt mid-prefill takes at most half a command's prefill
+    budget: a short request sent after it is admitted and answers before the long prompt's last chunk."""
+    with engine(tiny_nemotron, caching=False, prefill_chunk=32) as e:
+        commands = []
+        execute = e.shards.execute
+        e.shards.execute = lambda cmd: (commands.append(cmd), execute(cmd))[1]
+        long = e.add(prompt(130, 300), DecodeParams(temperature=0, max_tokens=8, ignore_eos=True))
+        e.step()   # its first chunk
+        short = e.add(prompt(131, 10), DecodeParams(temperature=0, max_tokens=8, ignore_eos=True))
+        while not short.finished:
+            e.step()
+        assert long.prefilled < len(long.prompt) and not long.finished
+        assert max(r.end - r.start for cmd in commands for r in cmd.prefill) <= 32
+        while not long.finished:
+            e.step()
+    with engine(tiny_nemotron, caching=False) as whole:
+        alone = served.generate(whole, [prompt(130, 300), prompt(131, 10)],
+                                [DecodeParams(temperature=0, max_tokens=8, ignore_eos=True)] * 2)
+    assert [long.output, short.output] == [a.output for a in alone]

@@ -204,12 +204,16 @@ class Scheduler:
         if ahead and not self._worth_queueing():
             return None
         admit, chunks = [], {}
-        budget = self.prefill_chunk
-        for request in self._slots:   # requests whose long prompts are prefilled a chunk a command, in turn
-            if request is not None and request.prefilled < len(request.prompt) and budget > 0:
-                chunks[request.request_id] = self._chunk(request, budget)
-                budget -= chunks[request.request_id][1] - chunks[request.request_id][0]
         free = [s for s, r in enumerate(self._slots) if r is None]
+        # requests whose long prompts are prefilled a chunk a command, in turn; while others wait for a free
+        # slot, at most half the budget, so a short prompt behind a long one starts without waiting for it
+        budget = self.prefill_chunk
+        rest = budget - (budget // 2 if self._waiting and free and budget > 1 else 0)
+        for request in self._slots:
+            if request is not None and request.prefilled < len(request.prompt) and rest > 0:
+                start, end = chunks[request.request_id] = self._chunk(request, rest)
+                rest -= end - start
+                budget -= end - start
         for slot in free[: len(self._waiting)]:
             request = self._waiting[0]
             if budget <= 0:   # this command's prefill is full: the next takes it
