@@ -5,9 +5,7 @@ import concurrent.futures as cf
 import json
 import os
 import re
-import shutil
 import signal
-from pathlib import Path
 
 import httpx
 import openai
@@ -246,8 +244,6 @@ def test_playground_draws_the_canvas_filling_in(server, browser, tmp_path):
     replayed = tmp_path / "playground-replay.png"
     page.screenshot(path=str(replayed), full_page=True)
     assert replayed.stat().st_size > 10_000
-    if os.environ.get("DLLM_PLAYGROUND_SCREENSHOT"):  # how docs/playground.png is made
-        shutil.copy(replayed, Path(os.environ["DLLM_PLAYGROUND_SCREENSHOT"]))
     page.close()
 
 
