@@ -197,6 +197,13 @@ TABLES: dict[str, Table] = {
         Row("  the long prompt's TTFT chunked / unchunked (s)",
             ("long_prompt_ttft_s_chunked", "long_prompt_ttft_s_unchunked"), ".3g", card="CPU"),
     )),
+    # docs/benchmarking.md: benchmarks/kv_capacity.py, the scheduler's admission over each full-size layout
+    "kv-capacity": Table("1k-token prompts, 128 tokens each, at once", tuple(
+        Row(f"{name}, max_model_len {n}: 8 slots' memory, paged / a slot each",
+            (f"kv_capacity.{family}.{n}.paged", f"kv_capacity.{family}.{n}.slots", f"kv_capacity.{family}.{n}.ratio"),
+            ".3g", card="CPU")
+        for family, name in (("nemotron-ld", "Nemotron-LD 8B"), ("diffusion-gemma", "DiffusionGemma 26B-A4B"))
+        for n in (2048, 8192, 32768))),
     # docs/benchmarking.md: benchmarks/prefix_lookup_bench.py, the scheduler alone (no model)
     "prefix-lookup": Table("10k+ cached pages, 4k-token prompts", (
         Row("a prompt's lookup (us); the scheduler's time a command (us)",

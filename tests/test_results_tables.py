@@ -7,7 +7,7 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from benchmarks import cache_bench, prefix_lookup_bench, results, roofline, serve_bench, step_bound, traffic
+from benchmarks import cache_bench, kv_capacity, prefix_lookup_bench, results, roofline, serve_bench, step_bound, traffic
 from benchmarks.bench_stats import RequestResult, summarize
 from benchmarks.result_tables import TABLES
 from benchmarks.results import Result, Row, Table
@@ -189,5 +189,8 @@ def test_every_figure_a_table_names_is_one_a_benchmark_writes(tmp_path, monkeypa
     written |= {k for r in results.load(tmp_path).values() for k in r.figures}
     written |= set(cache_bench.figures(cache_bench_result()))
     written |= set(prefix_lookup_bench.measure(cached_pages=20, prompt_len=64, requests=2))
+    monkeypatch.setattr(kv_capacity, "fits", lambda family, n, *a: {
+        f"kv_capacity.{family}.{n}.{k}": 1.0 for k in ("slots", "paged", "ratio", "full_pages")})
+    written |= set(kv_capacity.main([]))
     named = {k for table in TABLES.values() for row in table.rows for k in row.keys}
     assert {k for k in named if not any(b in k for b in BACKFILLED)} <= written
