@@ -21,7 +21,10 @@ pytestmark = pytest.mark.shared_serve
 
 APP, MODEL = "faults", "tiny"
 NUM_SLOTS, MAX_QUEUE = 4, 8
-COMMAND_TIMEOUT_S = 15.0   # a stuck step fails after this; a healthy command takes < 1 s (a few on a busy machine)
+# a stuck step fails after this (the stuck case's wait); a healthy command takes ~0.2 s here (8 passes of ~20 ms;
+# the bound covers the command queued ahead too). 15 s dates from before the suite ran one OpenMP thread a
+# process (tests/conftest.py), when a busy 2-core machine slowed a command ~20x; 8 s is still ~20x a busy one's.
+COMMAND_TIMEOUT_S = 8.0
 ERROR_WITHIN_S = 30.0
 REBUILD_WITHIN_S = 90.0
 
