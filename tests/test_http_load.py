@@ -26,8 +26,9 @@ PROBE = {"model": MODEL, "prompt": "unaffected", "max_tokens": 40, "temperature"
 def server(tiny_nemotron):
     args = dict(model=str(tiny_nemotron), served_model_name=MODEL, max_num_seqs=NUM_SLOTS, max_queue=MAX_QUEUE,
                 max_model_len=512, max_steps_per_command=8)
-    # "fresh": an app whose step loop no request has started yet (test_loop_outlives_...)
-    with serving({APP: build_app(args), "fresh": build_app(args)}) as port:
+    # one app for the module (a second one, fresh for test_loop_outlives_..., cost ~10 s of deploy on 2
+    # cores): that test runs first, before any request has reached it
+    with serving({APP: build_app(args)}) as port:
         yield port
 
 
@@ -51,6 +52,30 @@ def assert_unaffected(port: int, before: dict) -> None:
     after = probe(port)
     assert after["text"] == before["text"]
     assert after["logprobs"]["token_logprobs"] == pytest.approx(before["logprobs"]["token_logprobs"], abs=1e-4)
+
+
+# ---- the step loop (first: it needs an app no request has reached) -----------------------------
+
+def test_loop_outlives_the_request_that_started_it(server):
+    """The step loop starts inside the first request. Its client hanging up must not end the loop: a
+    request running beside it still finishes, and no new request is needed to get it going again. First
+    in the module: the app has served no request yet."""
+    assert not any(stats(APP)["counters"].values()), "the app has served requests: its loop is not fresh"
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("POST", url(server), json=slow_stream_body(MODEL, 320)) as first:
+                lines = first.aiter_lines()  # held open: leaving an async for would close the stream
+                while not (await anext(lines)).startswith("data: {"):
+                    pass
+                other = asyncio.create_task(http.post(url(server),
+                                                      json=dict(slow_stream_body(MODEL, 160), stream=False)))
+                await asyncio.to_thread(wait_until, lambda: stats(APP)["running"] == 2, 30, "both to run")
+                await first.aclose()  # the first request's client hangs up; the other must still finish
+            return await asyncio.wait_for(other, 60)
+
+    r = asyncio.run(scenario())
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 160
 
 
 # ---- overload ------------------------------------------------------------------------------------
@@ -128,22 +153,3 @@ def test_abandoned_requests_free_their_slots(server, before):
     assert f'dllm_free_slots{{model="{MODEL}"}} {float(NUM_SLOTS)}' in metrics
     print(f"\n{len(seen)} streams cancelled mid-stream ({sum(seen)} blocks read) and {len(gave_up)} non-streamed "
           f"requests abandoned in {time.monotonic() - t0:.1f} s: 0 slots leaked")
-
-
-def test_loop_outlives_the_request_that_started_it(server):
-    """The step loop starts inside the first request. Its client hanging up must not end the loop: a
-    request running beside it still finishes, and no new request is needed to get it going again."""
-    async def scenario():
-        async with httpx.AsyncClient(timeout=60) as http:
-            async with http.stream("POST", url(server, "fresh"), json=slow_stream_body(MODEL, 320)) as first:
-                lines = first.aiter_lines()  # held open: leaving an async for would close the stream
-                while not (await anext(lines)).startswith("data: {"):
-                    pass
-                other = asyncio.create_task(http.post(url(server, "fresh"),
-                                                      json=dict(slow_stream_body(MODEL, 160), stream=False)))
-                await asyncio.to_thread(wait_until, lambda: stats("fresh")["running"] == 2, 30, "both to run")
-                await first.aclose()  # the first request's client hangs up; the other must still finish
-            return await asyncio.wait_for(other, 60)
-
-    r = asyncio.run(scenario())
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 160
