@@ -84,11 +84,13 @@ def combine_case(t, k, e, h, dtype, seed, device):
     return ref, ours
 
 
-def routing_case(t, k, e, block_m, seed, device):
-    # route against softmax/top-k/renorm/scale; sort_pairs against the stable argsort (exactly) and the
-    # tile map the grouped kernel makes itself (model.kernels.invariant)
+def routing_case(t, k, e, block_m, seed, device, routed=None):
+    # route against softmax/top-k/renorm/scale (on the first `routed` tokens, default all); sort_pairs
+    # against the stable argsort (exactly) and the tile map the grouped kernel makes itself
+    # (model.kernels.invariant)
     gen = torch.Generator().manual_seed(seed)
     scores = torch.randn(t, e, generator=gen) * 2
+    scores = scores[:routed]
     scale = torch.rand(e, generator=gen) + 0.5
     weights, ids = routing.route(scores.to(device), scale.to(device), k)
     probs = torch.softmax(scores, -1)
@@ -110,8 +112,9 @@ def routing_case(t, k, e, block_m, seed, device):
     assert torch.equal(tile_row.cpu().long()[real], row[real])
 
 
-def run(device, dtypes, routing=True):
-    """Every case on `device` in each (dtype, tolerance) of `dtypes`, and the routing's if `routing`."""
+def run(device, dtypes, routing=True, routed=None):
+    """Every case on `device` in each (dtype, tolerance) of `dtypes`, and the routing's if `routing`
+    (the route checked on each case's first `routed` tokens, default all)."""
     for dtype, tol in dtypes:
         for (b, n, hq, hkv, d, with_v) in ((1, 5, 4, 2, 32, True), (2, 3, 4, 1, 64, False)):
             ref, ours = qkv_case(b, n, hq, hkv, d, with_v, dtype, seed=d, device=device)
@@ -131,4 +134,4 @@ def run(device, dtypes, routing=True):
             err = ((ours.float() - ref).abs() / (ref.abs() + 1)).max().item()
             assert err <= tol, ("combine", dtype, h, err)
     for (t, k, e, block_m) in ((5, 2, 8, 4), (300, 8, 128, 64), (1100, 8, 128, 64)) if routing else ():
-        routing_case(t, k, e, block_m, seed=t, device=device)   # 1 and 2 SUBs a chunk
+        routing_case(t, k, e, block_m, seed=t, device=device, routed=routed)   # 1 and 2 SUBs a chunk

@@ -41,14 +41,23 @@ def test_split_combine_tiles_give_the_same_bits(monkeypatch):
     """The split combine's row tile (COMBINE_VALUES / head dim) is its own, not the attention program's:
     a row's combined result must not depend on it, at the served tile (64 rows here) and at 8 and 256."""
     gen = torch.Generator().manual_seed(5)
-    B, L, hkv, G, D, P = 2, 24, 2, 4, 64, 300
+    # 150 keys, not 300 (the interpreter's time goes by key blocks): each row's keys are still cut into 3
+    # splits of 2-3 blocks of 16 (the third empty for row 1's first queries, causal)
+    B, L, hkv, G, D, P = 2, 24, 2, 4, 64, 150
     q = torch.randn(B, L, hkv * G, D, generator=gen).bfloat16()
     k, v = (torch.randn(B, P, hkv, D, generator=gen).bfloat16() for _ in range(2))
-    meta = [torch.tensor(x) for x in ([1, 0], [260, 100], [L, 17], [0, 1])]
-    outs = []
-    for values in (ka.COMBINE_VALUES, 8 * D, 256 * D):
+    meta = [torch.tensor(x) for x in ([1, 0], [110, 50], [L, 17], [0, 1])]
+    # the attention program's partial states do not depend on the combine's tile (the interpreter's time
+    # goes to them): the served call's, kept as it hands them to the combine, combined again at the others
+    combine, handed = ka.split_combine, []
+    monkeypatch.setattr(ka, "split_combine", lambda part, ml, out: (handed.append((part, ml, out)),
+                                                                    combine(part, ml, out)))
+    outs = [ka.attention(q, k, v, *meta, D ** -0.5, keys=P, splits=3, tiles=(16, 16, 4))]
+    (part, ml, out), = handed
+    for values in (8 * D, 256 * D):
         monkeypatch.setattr(ka, "COMBINE_VALUES", values)
-        outs.append(ka.attention(q, k, v, *meta, D ** -0.5, keys=P, splits=3, tiles=(16, 16, 4)))
+        outs.append(torch.empty_like(out))
+        combine(part, ml, outs[-1])
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     one = ka.attention(q, k, v, *meta, D ** -0.5, keys=P, splits=1, tiles=(16, 16, 4))
     assert (one.float() - outs[0].float()).abs().max() <= 2 ** -7 * v.abs().max()
@@ -88,7 +97,7 @@ def rows_that_differ(invariant, dtypes, monkeypatch):
             if shuffled:
                 n = kv.num_slots * kv.max_pages
                 kv.write_pages(0, torch.arange(n), torch.randperm(n, generator=gen))
-            for _ in range(6):
+            for _ in range(4):   # 4 random steps (not 6): the default config's rows differ in 4 of its 12
                 width = rng.choice([4, 8])
                 slot, causal = rng.randrange(6), rng.random() < 0.5
                 start = rng.randint(64, 320 - 12)
@@ -109,14 +118,14 @@ def rows_that_differ(invariant, dtypes, monkeypatch):
 
 def test_invariant_rows_keep_their_bits_among_neighbours(monkeypatch):
     """With invariant=True no row differs."""
-    assert rows_that_differ(True, (torch.float32, torch.bfloat16), monkeypatch) == (0, 36)
+    assert rows_that_differ(True, (torch.float32, torch.bfloat16), monkeypatch) == (0, 24)
 
 
 def test_the_default_configs_rows_differ_among_neighbours(monkeypatch):
     """The same check over the default config (whose splits follow the batch) finds rows that differ, in
     fp32 already, so the check above can tell."""
     mismatches, cases = rows_that_differ(False, (torch.float32,), monkeypatch)
-    assert cases == 18 and mismatches > 0
+    assert cases == 12 and mismatches > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])   # fp64: the kernel's dtypes

@@ -15,16 +15,16 @@ def test_triton_thresholds_at_tp2_equal_tp1_in_the_interpreter(tmp_path):
     """The filters' passes with tensor parallelism: each rank reads its own slice (its own tile maxima and
     top-k bound) and the counts and masses are all-reduced between passes over gloo; both ranks find the
     thresholds torch finds over the whole vocabulary at TP = 1: top-k alone (k = 5: past a rank's 3
-    tiles at the kernel's tiling, within its 12 at the small one), top-p alone, both, neither,
-    survivors on one rank only, fp32 / T and bf16 softcapped (tests/tp_harness.py filter_case)."""
-    from tests.tp_harness import filter_case, spawn_tp, triton_filters_worker
+    tiles at the kernel's tiling, within its 8 at the small one), top-p alone, both, neither,
+    survivors on one rank only, fp32 / T and bf16 softcapped (tests/interpreted/filters_tp_cases.py)."""
+    import tests.interpreted.filters_tp_cases as cases
+    from tests.tp_harness import spawn_tp
 
-    c = filter_case()
-    for n, settings in enumerate([(16384, 2048, 512), (512, 256, 128)]):
-        out_dir = tmp_path / f"s{n}"
-        out_dir.mkdir()
-        spawn_tp(triton_filters_worker, 2, tmp_path, str(out_dir), settings, timeout=240)
-        ranks = [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+    # every setting in one spawn of the ranks (each spawn imports torch and triton in both ranks again)
+    spawn_tp(cases.triton_filters_worker, 2, tmp_path, str(tmp_path), timeout=240)
+    for n, (settings, V) in enumerate(cases.SETTINGS):
+        c = cases.filter_case(V)
+        ranks = [torch.load(tmp_path / f"s{n}-rank{r}.pt") for r in range(2)]
         for i, (dtype, softcap, on_scaled) in enumerate(c["kinds"]):
             ref = torch_threshold(c["x"].to(dtype), c["temperature"], c["top_k"], c["top_p"], 0, TP1,
                                   softcap=softcap, on_scaled=on_scaled)

@@ -62,15 +62,17 @@ def test_triton_rank_top_k_equals_torch_in_the_interpreter():
     """The scored rows' second read (rank counts and top-k keys by per-tile sort and merge) equals the
     torch reference exactly, over several tiles and splits, ties and a slice narrower than k."""
     torch.manual_seed(0)
-    # (the interpreter takes ~4 s per row and k: each k > 0 runs once per dtype, on 4 rows)
-    for V, vs, dtype, ks in [(997, 0, torch.float32, (0, 1, 20)), (700, 100, torch.bfloat16, (0, 5))]:
+    # the interpreter's time goes by tiles (each k > 0 sorts and merges every one): tiles of 64 in
+    # splits of 128 make 300 entries 3 splits (the last a ragged 44: a tile and a wholly masked one) and
+    # 200 entries 2 (the last a ragged 72), several tiles a split as in the served splits of 16384
+    for V, vs, dtype, ks in [(300, 0, torch.float32, (0, 1, 20)), (200, 100, torch.bfloat16, (0, 5))]:
         x = (torch.randn(2, 2, V) * 4).to(dtype)
         x[0, 0, 5] = float("-inf")
-        x[1, 0, 50] = x[1, 0, 600] = x[1, 0].max()             # a tie: the lower id first
+        x[1, 0, 50] = x[1, 0, V - 20] = x[1, 0].max()          # a tie across splits: the lower id first
         tok = x[..., 11]
         for k in ks:
             ca, ka = S.torch_rank_top_k(x, tok, k, vs)
-            cb, kb = triton_rank_top_k(x, tok, k, vs, block=64, split=256)   # several tiles and splits
+            cb, kb = triton_rank_top_k(x, tok, k, vs, block=64, split=128)   # several tiles and splits
             assert torch.equal(ca, cb) and (k == 0 or torch.equal(ka, kb)), (V, k)
         narrow = x[..., :12]                                     # a slice narrower than k: padded alike
         ca, ka = S.torch_rank_top_k(narrow, tok, 20, vs)
@@ -86,20 +88,24 @@ def test_triton_thresholds_equal_torch_in_the_interpreter(monkeypatch):
     torch.manual_seed(0)
     # rows: top-k only, top-p only, both, neither, k past the vocabulary; a tie at a row's 3rd largest;
     # -inf entries; a vocabulary offset; logits large enough that the softcap's tanh rounds to 1 (equal
-    # values of distinct logits); the kernel's own tiling, and small splits and tiles (several a row, a
-    # ragged last one)
-    cases = [(3000, 0, torch.float32, None, True, 4), (2500, 64, torch.bfloat16, 30.0, False, 4),
-             (1800, 0, torch.float32, 30.0, True, 200)]
-    for split, count_block, mass_block in [(F.SPLIT, F.COUNT_BLOCK, F.MASS_BLOCK), (1024, 512, 256)]:
+    # values of distinct logits); the kernel's own tiling (one split of 6, 5 and 4 tiles, the last
+    # ragged: k = 3 within a row's tiles, k = 5 within and past them), and small splits and tiles (2 a
+    # row, the last ragged). The interpreter's time goes by programs (row positions x splits): one
+    # position a row, each row's case in it (the negative thresholds below take 2: a position's row is
+    # n // P), and 2 small splits, not 3
+    cases = [(0, torch.float32, None, True, 4), (64, torch.bfloat16, 30.0, False, 4),
+             (0, torch.float32, 30.0, True, 200)]
+    for split, count_block, mass_block, sizes in [(F.SPLIT, F.COUNT_BLOCK, F.MASS_BLOCK, (3000, 2500, 1800)),
+                                                  (1024, 512, 256, (2000, 1500, 1800))]:
         monkeypatch.setattr(F, "SPLIT", split)
         monkeypatch.setattr(F, "COUNT_BLOCK", count_block)
         monkeypatch.setattr(F, "MASS_BLOCK", mass_block)
-        for V, vs, dtype, softcap, on_scaled, scale in cases:
-            x = (torch.randn(5, 2, V) * scale).to(dtype)
+        for V, (vs, dtype, softcap, on_scaled, scale) in zip(sizes, cases):
+            x = (torch.randn(5, 1, V) * scale).to(dtype)
             x[0, 0, 5] = float("-inf")
-            x[1, 1, :100] = float("-inf")
-            top = x[2, 1].topk(3).values
-            x[2, 1, :2] = top[2]
+            x[1, 0, :100] = float("-inf")
+            top = x[2, 0].topk(3).values
+            x[2, 0, :2] = top[2]
             temp = torch.tensor([0.7, 0.0, 1.3, 1.0, 2.0])
             top_k, top_p = torch.tensor([5, 0, 3, 0, 4000]), torch.tensor([1.0, 0.6, 0.9, 1.0, 0.3])
             a = torch_threshold(x, temp, top_k, top_p, vs, TPGroup(), softcap=softcap, on_scaled=on_scaled)
@@ -110,9 +116,9 @@ def test_triton_thresholds_equal_torch_in_the_interpreter(monkeypatch):
             assert torch.allclose(a, b, rtol=tol, atol=0), (split, V, dtype, a, b)
     # bf16 logits below 0, so the thresholds are negative (a negative key's dropped low bits must decode
     # back as zeros: the last mass pass weighs each key by its value), and, undivided, a k-th largest that
-    # is -inf
+    # is -inf (at the small tiles still: 2 splits, the second all -inf in that row)
     for softcap, on_scaled in [(None, True), (30.0, False)]:
-        x = (torch.randn(4, 3, 2000) * 1.5 - 8).to(torch.bfloat16)
+        x = (torch.randn(4, 2, 2000) * 1.5 - 8).to(torch.bfloat16)
         if softcap is None:
             x[0, 1, 3:] = float("-inf")   # 3 finite entries and k = 5
         temp = torch.tensor([1.0, 0.7, 1.0, 0.0])
@@ -129,20 +135,23 @@ def test_triton_thresholds_from_cached_tile_maxima_in_the_interpreter(monkeypatc
     (later passes skip the rest), several splits, a ragged last split and tile, a split narrower than
     SPLIT."""
     torch.manual_seed(2)
-    # count tiles of 4 cached tiles, 8 a split; V=2900: 3 splits, the last one partial (a ragged tile, a
-    # tile past the vocabulary); V=700: one split narrower than SPLIT (a count tile half past its end)
+    # count tiles of 4 cached tiles, 8 a split; V=1850: 2 splits, the last one partial (a ragged tile of
+    # 58, a tile past the vocabulary); V=700: one split narrower than SPLIT (a count tile half past its
+    # end). (2 splits, not 3: the interpreter's time goes by programs, row positions x splits)
     monkeypatch.setattr(F, "SPLIT", 1024)
     monkeypatch.setattr(F, "COUNT_BLOCK", 512)
     monkeypatch.setattr(F, "MASS_BLOCK", 128)
     temp = torch.tensor([0.7, 1.0, 1.3, 1.0, 0.0, 2.0])
     top_k = torch.tensor([5, 0, 7, 0, 3, 0])           # k only, p only, both, neither, both, p only
     top_p = torch.tensor([1.0, 0.8, 0.7, 1.0, 0.95, 0.5])
-    cases = [(2900, torch.bfloat16, 30.0, False), (2900, torch.float32, None, True), (700, torch.float32, None, True)]
+    cases = [(1850, torch.bfloat16, 30.0, False), (1850, torch.float32, None, True), (700, torch.float32, None, True)]
     for V, dtype, softcap, on_scaled in cases:
-        x = torch.randn(6, 3, V)
+        x = torch.randn(6, 2, V)
         for r in range(6):
-            for q in range(3):   # the top-k survivors and the top-p mass in one cluster (first tile, ragged last, ...)
-                at = torch.randint(0, V - 12, ()).item() if (r + q) % 3 else [0, V - 12, V // 2][q]
+            for q in range(2):   # the top-k survivors and the top-p mass in one cluster: at position 0 in the
+                # first tile, the middle (a tile of its own) or the ragged last tile, each placement for 2
+                # rows of different asks; at position 1 anywhere
+                at = [0, V // 2, V - 12][r % 3] if q == 0 else torch.randint(0, V - 12, ()).item()
                 x[r, q, at:at + 12] = 12 + torch.randn(12)
         x[1, 0, 128:256] = float("-inf")   # a whole tile of -inf
         x = x.to(dtype)
