@@ -348,37 +348,3 @@ def run_tp_worker(world_size: int, workdir: Path, model_dir: Path | None, timeou
     spawn_tp(tp_worker, world_size, workdir, None if model_dir is None else str(model_dir), str(out_dir),
              timeout=timeout)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
-
-
-def filter_case(V: int = 3000, seed: int = 3) -> dict:
-    """Logits and asks for the filters' passes at TP = N against TP = 1: rows asking top-k only (k = 5),
-    top-p only, both (k = 3 and k = 40) and neither; survivors clustered in one rank's slice in some
-    rows, spread over both in others; a position whose logits are all negative; fp32 divided by T and bf16
-    softcapped."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(5, 3, V, generator=gen) * 3
-    x[0, 1, V // 3:V // 3 + 10] = 14.0 + torch.randn(10, generator=gen)   # rank 0's slice only
-    x[2, 0, V - 40:V - 30] = 14.0 + torch.randn(10, generator=gen)        # the last rank's only
-    x[4, 2, :200] = -torch.inf
-    x[1, 2] = torch.randn(V, generator=gen) * 1.5 - 8.0   # every logit below 0: a negative top-p threshold
-    return {"x": x, "temperature": torch.tensor([0.7, 1.0, 1.3, 0.0, 2.0]),
-            "top_k": torch.tensor([5, 0, 3, 0, 40]), "top_p": torch.tensor([1.0, 0.6, 0.9, 1.0, 0.8]),
-            "kinds": [(torch.float32, None, True), (torch.bfloat16, 30.0, False)]}
-
-
-def triton_filters_worker(rank: int, world_size: int, out_dir: str, settings: tuple[int, int, int]) -> None:
-    """TP rank body: model/kernels/filters.py's thresholds over this rank's vocabulary slice (the CPU runs
-    them in triton's interpreter: TRITON_INTERPRET=1 in the environment), with its per-pass count and
-    mass all-reduces over gloo; saved to out_dir/rank{r}.pt for the parent to compare against TP = 1."""
-    import model.kernels.filters as F
-
-    F.SPLIT, F.COUNT_BLOCK, F.MASS_BLOCK = settings
-    tp = TPGroup(rank=rank, world_size=world_size, group=dist.group.WORLD)
-    c = filter_case()
-    v0, v1 = shard_range(c["x"].shape[-1], rank, world_size)
-    out = []
-    for dtype, softcap, on_scaled in c["kinds"]:
-        x = c["x"].to(dtype)[..., v0:v1].contiguous()
-        out.append(F.triton_threshold(x, c["temperature"], c["top_k"], c["top_p"], v0, tp, softcap=softcap,
-                                      on_scaled=on_scaled))
-    torch.save(out, Path(out_dir) / f"rank{rank}.pt")
