@@ -66,7 +66,10 @@ def sampling_defaults(checkpoint: Checkpoint) -> dict:
     return values
 
 
-@serve.deployment(name="OpenAIIngress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+# graceful_shutdown_wait_loop_s: how often a stopping replica looks for requests still running (Serve's 2 s
+# is also what an idle replica sleeps before it stops)
+@serve.deployment(name="OpenAIIngress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0},
+                  graceful_shutdown_wait_loop_s=0.25)
 @serve.ingress(app)
 class OpenAIIngress:
     async def __init__(self, coordinator: DeploymentHandle, args: dict, checkpoint: Checkpoint):

@@ -34,7 +34,7 @@ def placement_bundles(tp: int, use_gpu: bool, shard_cpus: float = 1.0) -> list[d
 
 
 @serve.deployment(name="Coordinator", max_ongoing_requests=10_000, health_check_period_s=10,
-                  health_check_timeout_s=60, graceful_shutdown_timeout_s=5)
+                  health_check_timeout_s=60, graceful_shutdown_timeout_s=5, graceful_shutdown_wait_loop_s=0.25)
 class CoordinatorDeployment:
     async def __init__(self, runner_args: RunnerArgs, tp: int, shard: dict, engine_args: dict,
                        command_timeout_s: float = 120.0, placement_timeout_s: float = 300.0, model_name: str = ""):
