@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import tempfile
 from pathlib import Path
 
 import torch
 
 from benchmarks import results
+from benchmarks.shapes import fake_model
 from model.kv_budget import ahead_positions, pool_pages, sliding_pages
 from model.protocol import PAGE_SIZE, PREFILL_CHUNK
 from model.sampling.params import DecodeParams
@@ -31,20 +31,9 @@ MAX_STEPS = 8        # max_steps_per_command (the served default)
 
 
 def kv_layout(family: str):
-    """The full-size shape's KV layout and canvas length (benchmarks/shapes.py), built as fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from benchmarks.shapes import write_diffusion_gemma_shapes, write_shapes
-    from model.checkpoint import load_model_config
-    from model.loader import build_model
-    from model.parallel.group import TPGroup
-
-    with tempfile.TemporaryDirectory() as tmp:
-        write = write_shapes if family == "nemotron-ld" else write_diffusion_gemma_shapes
-        cfg = load_model_config(write(Path(tmp) / family, tokenizer=False))
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        net = build_model(cfg, TPGroup(), torch.bfloat16, "cpu")
-        return net.kv_layout, cfg.canvas_length, list(cfg.eos_token_ids)
+    """The full-size shape's KV layout, canvas length and EOS ids (benchmarks/shapes.py: fake_model)."""
+    cfg, net = fake_model(family)
+    return net.kv_layout, cfg.canvas_length, list(cfg.eos_token_ids)
 
 
 def fits(family: str, max_model_len: int, prompt_len: int, max_tokens: int) -> dict[str, float]:

@@ -69,6 +69,25 @@ def write_diffusion_gemma_shapes(outdir: Path, text: dict = DIFFUSION_GEMMA_26B_
     return outdir
 
 
+def fake_model(family: str):
+    """(its ModelConfig, its model) of the full-size shape of `family` ("nemotron-ld" or "diffusion-gemma"),
+    the model built as fake tensors: shapes without memory or weights, for what is counted from them."""
+    import tempfile
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from model.checkpoint import load_model_config
+    from model.loader import build_model
+    from model.parallel.group import TPGroup
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write = write_shapes if family == "nemotron-ld" else write_diffusion_gemma_shapes
+        cfg = load_model_config(write(Path(tmp) / family, tokenizer=False))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return cfg, build_model(cfg, TPGroup(), torch.bfloat16, "cpu")
+
+
 # The modules an FP8-dynamic checkpoint keeps in BF16: RedHatAI/diffusiongemma-26B-A4B-it-FP8-dynamic's
 # ignore list (routers, the vision tower, self-conditioning, the head), as compressed-tensors patterns;
 # for Nemotron-LD its head, as llm-compressor's recipes keep lm_head

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 H200_TFLOPS = 750.0   # dense bf16 tensor-core rate the brief gives for the H200 (FP8: twice)
 H200_TBPS = 4.3       # its copy bandwidth, as benchmarks/roofline.py measures it
@@ -38,19 +36,10 @@ class Shape:
 
 def shape_of(family: str) -> Shape:
     """The full-size shape of `family` (benchmarks/shapes.py), counted from its model built as fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from benchmarks.shapes import fake_model
 
-    from benchmarks.shapes import write_diffusion_gemma_shapes, write_shapes
-    from model.checkpoint import load_model_config
-    from model.loader import build_model
-    from model.parallel.group import TPGroup
-
-    with tempfile.TemporaryDirectory() as tmp:
-        write = write_shapes if family == "nemotron-ld" else write_diffusion_gemma_shapes
-        cfg = load_model_config(write(Path(tmp) / family))
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        net = build_model(cfg, TPGroup(), torch.bfloat16, "cpu")
-        params = [tuple(p.shape) for p in net.parameters() if p.dim() >= 2]
+    cfg, net = fake_model(family)
+    params = [tuple(p.shape) for p in net.parameters() if p.dim() >= 2]
     v, h = cfg.vocab_size, cfg.hidden_size
     uniform = family == "diffusion-gemma"
     if uniform:

@@ -61,6 +61,11 @@ class PagedKVCache:
             table[:num_slots] = own
         return kv
 
+    @property
+    def nbytes(self) -> int:
+        """The pool's device memory: every layer's keys and values, sink pages included."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
     def sink(self, group: int) -> int:
         """The first row of a group's sink page."""
         return self.num_pages[group] * self.page_size

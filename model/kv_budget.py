@@ -20,10 +20,16 @@ def sliding_pages(window: int, ahead: int, page_size: int) -> int:
     return -(-(window - 1) // page_size) + -(-ahead // page_size) + 2
 
 
+def canvas_growth(steps: int, canvas: int) -> int:
+    """How far past its known length `steps` steps of a canvas request write: at most one commit every
+    other step, and a canvas of scratch past it."""
+    return -(-steps // 2) * canvas + canvas
+
+
 def ahead_positions(max_model_len: int, prefill_chunk: int, max_steps_per_command: int, canvas: int) -> int:
-    """The furthest a request's page tables run past its known length: a prompt chunk, then a canvas
-    committed every other step of the commands in flight and the next, and a canvas of scratch."""
-    return min(max_model_len, prefill_chunk) + -(-COMMANDS_AHEAD * max_steps_per_command // 2) * canvas + canvas
+    """The furthest a request's page tables run past its known length: a prompt chunk, then what the
+    commands in flight and the next can write (a canvas request's: more than an AR one's)."""
+    return min(max_model_len, prefill_chunk) + canvas_growth(COMMANDS_AHEAD * max_steps_per_command, canvas)
 
 
 def pool_pages(budget_bytes: int, page_bytes: list[int], windows: list[int | None], sliding_cap: int

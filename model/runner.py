@@ -164,10 +164,10 @@ class Runner:
             self.outputs.reset()
             self.drafts.reset()
             steps = cmd.max_steps
-            canvas, ar = self._forwards(admitted, steps)
+            canvas, ar = self._forwards(steps)
             # the keys each forward may read in the command (the host's lengths change only at its end)
-            canvas_keys = self._keys(canvas, admitted, steps, self.C) if canvas else 0
-            ar_keys = self._keys(ar, admitted, steps, 1) if ar else 0
+            canvas_keys = self._keys(canvas, steps, self.C) if canvas else 0
+            ar_keys = self._keys(ar, steps, 1) if ar else 0
             for k in range(steps):
                 if k == 0 and runs:
                     self._prefill(runs)
@@ -205,7 +205,7 @@ class Runner:
                 self.prefilling.discard(r.slot)
         return runs
 
-    def _forwards(self, admitted: list[int], steps: int) -> tuple[list[int], list[int]]:
+    def _forwards(self, steps: int) -> tuple[list[int], list[int]]:
         """The slots of each step's canvas forward and of its AR forward: the AR rows ride in the canvas
         forward (model/steps/masked.py) where the family's canvas step takes them and the extra width
         costs less than a second read of the weights (AR_RIDE_TOKENS). Not in the batch-invariant mode:
@@ -213,7 +213,7 @@ class Runner:
         ready = [(s, i) for s, i in sorted(self.slots.info.items()) if s not in self.prefilling]
         canvas = [s for s, i in ready if i.params.mode in CANVAS_MODES]
         ar = [s for s, i in ready if i.params.mode == "ar"]
-        if canvas and ar and self.ar_rides(len(canvas), len(ar), self._keys(canvas + ar, admitted, steps, self.C)):
+        if canvas and ar and self.ar_rides(len(canvas), len(ar), self._keys(canvas + ar, steps, self.C)):
             return sorted(canvas + ar), []
         return canvas, ar
 
@@ -283,10 +283,9 @@ class Runner:
         peak = torch.cuda.max_memory_allocated(self.device) - before
         self.graphs = graphs
         layout, kv = self.model.kv_layout, self.kv
-        provisional = sum(t.numel() * t.element_size() for t in kv.k + kv.v)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = memory_budget(total, free, utilization, peak) + provisional
+        budget = memory_budget(total, free, utilization, peak) + kv.nbytes   # the provisional pool goes
         windows = layout.group_windows
         ahead = ahead_positions(self.max_model_len, prefill_chunk, self.outputs.max_steps, self.C)
         cap = self.slots.num_slots * max((sliding_pages(w, ahead, kv.page_size) for w in windows if w), default=0)
@@ -304,8 +303,7 @@ class Runner:
         self.env.kv = layout.cache(self.slots.num_slots, self.max_model_len + self.C, self.env.dtype, self.device,
                                    pages)
         self.pool_report = {"kv_sizing": {"gpu_memory_utilization": utilization, "total_bytes": total,
-                                          "steps_peak_bytes": peak, "pool_bytes": sum(
-                                              t.numel() * t.element_size() for t in self.kv.k + self.kv.v)}}
+                                          "steps_peak_bytes": peak, "pool_bytes": self.kv.nbytes}}
 
     def _graph_set(self):
         """(kind, key, step, inputs) of every graph a served step can need: see model/graphs.py."""
@@ -360,7 +358,7 @@ class Runner:
             dev = host.to(self.device, non_blocking=True)
             kv.write_pages(group, dev[0], dev[1])
 
-    def _keys(self, slots: list[int], admitted: list[int], steps: int, width: int) -> int:
+    def _keys(self, slots: list[int], steps: int, width: int) -> int:
         """Keys a row can read within the command: its length now (at least its prompt's: a new slot's, or
         one whose last chunk this command prefills) plus what the command can commit (a canvas every other
         step, or one AR token per step) plus its own width."""

@@ -16,6 +16,7 @@ import random
 from collections import deque
 from typing import Sequence
 
+from model.kv_budget import canvas_growth
 from model.phases import StepBudget
 from model.protocol import COMMANDS_AHEAD, PREFILL_CHUNK, Command, Events, NewSlot, PageRun, PrefillRun, StepCounters
 from model.sampling.params import DecodeParams, ParamError
@@ -35,8 +36,6 @@ ADMISSION_STEPS = 2
 
 class QueueFull(Exception):
     """The bounded waiting queue is full; the caller should retry later (HTTP 429/503, Retry-After)."""
-
-
 
 
 class Scheduler:
@@ -116,10 +115,10 @@ class Scheduler:
                 f"exceeds max_model_len={self.max_model_len}", "max_tokens")
         if self.pages is not None and not self.pages.fits_ever(self._kv_positions(len(prompt), params),
                                                                self._ahead(len(prompt), params)):
-            pool = self.pages.groups[0].num_pages * self.pages.page_size
             raise ParamError(
                 f"request {request_id!r}: prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} needs "
-                f"more KV cache than this server holds ({pool} positions: its kv_cache_tokens)", "max_tokens")
+                f"more KV cache than this server holds ({self.pages.capacity_tokens} positions: its kv_cache_tokens, "
+                "or what gpu_memory_utilization leaves)", "max_tokens")
         if len(self._waiting) - self.free_slots >= self.max_queue:
             raise QueueFull(f"{len(self._waiting)} requests waiting (max_queue={self.max_queue})")
         if params.seed is not None:
@@ -157,7 +156,7 @@ class Scheduler:
         canvas at most one commit every other step, and a canvas of scratch past it."""
         if params.mode == "ar":
             return steps + 1
-        return -(-steps // 2) * self.canvas_length + self.canvas_length
+        return canvas_growth(steps, self.canvas_length)
 
     def _ahead(self, prompt_len: int, params: DecodeParams) -> int:
         """How far a request's page tables can run past its known length: a prompt chunk (a command's
@@ -208,11 +207,10 @@ class Scheduler:
         # requests whose long prompts are prefilled a chunk a command, in turn; while others wait for a free
         # slot, at most half the budget, so a short prompt behind a long one starts without waiting for it
         budget = self.prefill_chunk
-        rest = budget - (budget // 2 if self._waiting and free and budget > 1 else 0)
+        held_back = budget // 2 if self._waiting and free and budget > 1 else 0
         for request in self._slots:
-            if request is not None and request.prefilled < len(request.prompt) and rest > 0:
-                start, end = chunks[request.request_id] = self._chunk(request, rest)
-                rest -= end - start
+            if request is not None and request.prefilled < len(request.prompt) and budget > held_back:
+                start, end = chunks[request.request_id] = self._chunk(request, budget - held_back)
                 budget -= end - start
         for slot in free[: len(self._waiting)]:
             request = self._waiting[0]
@@ -228,8 +226,8 @@ class Scheduler:
             request.prefilled = request.cached_tokens
             # its first chunk's pages are cached at once: a request admitted beside it reads them in the
             # same prefill pass, and later ones after it
-            chunks[request.request_id] = self._chunk(request, budget)
-            budget -= chunks[request.request_id][1] - chunks[request.request_id][0]
+            start, end = chunks[request.request_id] = self._chunk(request, budget)
+            budget -= end - start
             self._waiting.popleft()
             request.slot = slot
             request.steps_left = self.budget.at_admission(request.params) if self.budget else None
