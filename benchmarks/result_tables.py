@@ -211,6 +211,17 @@ TABLES: dict[str, Table] = {
         Row("the lookups' share of the scheduler's time", ("lookup_share_of_schedule",), ".3g",
             "< 0.05 of a command's host time", "CPU"),
     )),
+    # docs/benchmarking.md: benchmarks/grammar_steps.py, the default model on the engine
+    "grammar-steps": Table("the default model, 8 requests, a JSON schema", (
+        *(Row(f"diffusion, {policy}: tokens a denoising step, with the schema / without",
+              (f"grammar.{policy}.tokens_per_step.json", f"grammar.{policy}.tokens_per_step.free"), ".3g", card="CPU")
+          for policy in ("threshold", "low_confidence", "leftmost", "entropy_bound")),
+        *(Row(f"{name}: ms a committed token, with the schema / without",
+              (f"grammar.{name}.ms_per_token.json", f"grammar.{name}.ms_per_token.free"), ".3g", card="CPU")
+          for name in ("threshold", "ar")),
+        Row("unconstrained requests' tok/s beside constrained neighbours / beside unconstrained ones",
+            ("grammar.neighbours_tok_s_ratio",), ".3g", ">= 0.95 (GPU)", "CPU"),
+    )),
     # docs/testing.md: scripts/soak_gpu.py (make soak-gpu) on each family's full-size shape
     "soak-gpu": Table("GPU soak", tuple(row for model, name in ((NL, "Nemotron-LD 8B"), (DG, "DiffusionGemma 26B-A4B"))
                                         for row in (

@@ -33,6 +33,7 @@ from deployments.protocol import (ChatCompletionRequest, CompletionRequest, Deto
                                   ModelCard, ModelList, TokenizeChatRequest, TokenizeRequest, TokenizeResponse)
 from deployments.readiness import STATS_S, Readiness
 from deployments.responses import ENDPOINT, ChoicesStream, Responder, cancel_all
+from deployments.structured import GrammarCompiler
 from model.checkpoint import Checkpoint
 from model.sampling.params import DecodeParams, ParamError
 
@@ -99,6 +100,8 @@ class OpenAIIngress:
         placement = PlacementWatch(serve.get_replica_context().app_name, self.args)
         self._watch = asyncio.get_running_loop().create_task(placement.run())
         self.readiness = Readiness(coordinator, placement)
+        self.grammars = GrammarCompiler(checkpoint)
+        self.family = checkpoint.family
         self.responder = Responder(self.tokenizer, self.model_name, config.canvas_length, config.mask_token_id,
                                    self.readiness.next_output)
 
@@ -229,6 +232,18 @@ class OpenAIIngress:
         await self.readiness.check_serving()
         n = body.n
         planned = [(prompt, param, self._params(body, prompt, param)) for prompt, param in prompts]
+        try:
+            constraint = body.grammar_request()
+        except ParamError as err:
+            raise APIError(400, err.message, param=err.param) from None
+        if constraint is not None:
+            try:
+                grammar = await self.grammars.compile(constraint)
+                planned = [(prompt, param, p.model_copy(update={"grammar": grammar})) for prompt, param, p in planned]
+                for _, _, p in planned:
+                    self.family.check(p)
+            except ParamError as err:
+                raise APIError(400, err.message, param=err.param) from None
         # The response's id is the request's (X-Request-Id); the coordinator's adds a random suffix, so a
         # client reusing an id for requests in flight together gets them served, not refused as a clash.
         request_id = request.state.request_id

@@ -13,6 +13,7 @@ Responses are plain models shaped like OpenAI's (checked against the `openai` cl
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Callable, Literal
@@ -22,6 +23,7 @@ from pydantic import model_serializer
 from pydantic import Discriminator, Tag, ValidationInfo, model_validator
 
 from deployments.errors import validation_error_param
+from model.grammar.compile import GrammarRequest
 from model.sampling.params import MAX_LOGPROBS, DecodeParams, ParamError, settable_fields
 
 # ----------------------------------------------------------------------------------------- requests
@@ -72,8 +74,6 @@ NO_OPS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
                    "logit_bias is not implemented"),
     "best_of": (lambda v: v == 1, "1", "best_of > 1 (choosing among several completions) is not implemented"),
     "suffix": (lambda v: v == "", '""', "suffix (inserting text between the prompt and a suffix) is not implemented"),
-    "response_format": (lambda v: not isinstance(v, dict) or v.get("type") == "text", '{"type": "text"}',
-                        "output is not constrained to a format (json_object and json_schema are not implemented)"),
     "tools": (lambda v: v == [], "[]", _TOOLS),
     "functions": (lambda v: v == [], "[]", _TOOLS),
     "tool_choice": (lambda v: v in ("none", "auto"), '"none" or "auto" (no tools: plain text)', _TOOLS),
@@ -81,6 +81,66 @@ NO_OPS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "store": (lambda v: v is False, "false", "this server does not store completions"),
     "modalities": (lambda v: v == ["text"], '["text"]', "this server's output is text only"),
 }
+
+
+class JsonSchemaFormat(_Strict):
+    """OpenAI's `json_schema` of a response_format. Output always follows the schema: `strict` is accepted
+    either way (false does not loosen it)."""
+    name: Text = Field(max_length=64)
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    description: Text | None = None
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: text (no constraint), any JSON object, or JSON following a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is given with type "json_schema", and only then')
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema (an object or its text), any JSON object, a
+    regular expression, a choice of strings, or a grammar (Lark, or GBNF as llama.cpp writes it)."""
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = [k for k in ("json_", "json_object", "regex", "choice", "grammar") if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, json_object, regex, choice, grammar")
+        return self
+
+    def grammar_request(self) -> GrammarRequest:
+        field = "structured_outputs"
+        if self.json_ is not None:
+            value = self.json_
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as err:
+                    raise ParamError(f"structured_outputs.json: not JSON ({err})", "structured_outputs.json") from None
+            return GrammarRequest("json_schema", value, f"{field}.json")
+        if self.json_object:
+            return GrammarRequest("json_object", None, f"{field}.json_object")
+        if self.regex is not None:
+            return GrammarRequest("regex", self.regex, f"{field}.regex")
+        if self.choice is not None:
+            return GrammarRequest("choice", self.choice, f"{field}.choice")
+        return GrammarRequest("grammar", self.grammar, f"{field}.grammar")
 
 
 def _no_op(default: Any, *accepted: Any, **schema: Any) -> Any:
@@ -108,6 +168,8 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     user: Text | None = None  # accepted, ignored
     diffusion: DiffusionOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None   # vLLM's
     presence_penalty: float = _no_op(0.0)
     frequency_penalty: float = _no_op(0.0)
     repetition_penalty: float = _no_op(1.0)   # vLLM's
@@ -121,6 +183,25 @@ class _SamplingRequest(_Strict):
         if not is_no_op(v):
             raise ValueError(f"only {shown} is supported: {why}")
         return v
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_constraint(cls, v: StructuredOutputs | None, info: ValidationInfo) -> StructuredOutputs | None:
+        fmt = info.data.get("response_format")
+        if v is not None and fmt is not None and fmt.type != "text":
+            raise ValueError("response_format and structured_outputs both constrain the output: give one")
+        return v
+
+    def grammar_request(self) -> GrammarRequest | None:
+        """The output's constraint (docs/api.md#structured-output), None for plain text."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.grammar_request()
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return GrammarRequest("json_object", None, "response_format")
+        return GrammarRequest("json_schema", fmt.json_schema.schema_, "response_format.json_schema.schema")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -247,17 +328,12 @@ class ChatMessage(_Strict):
         return v
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     max_tokens: int | None = Field(None, ge=1, description="deprecated alias; max_completion_tokens wins")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] = _no_op([], maxItems=0)
     functions: list[dict[str, Any]] = _no_op([], maxItems=0)
     tool_choice: str | dict[str, Any] = _no_op("none", "none", "auto")

@@ -30,6 +30,8 @@ class Family:
     # temperature from the schedule (it always samples), and a request's last canvas emitted when it
     # converges, without the commit step whose KV nothing would read
     uniform_noise: bool = False
+    # the modes whose steps constrain a request's text to a grammar (docs/spec.md 12)
+    constrained_modes: tuple[str, ...] = ()
 
     def resolve(self, path: str) -> type:
         module, _, name = path.partition(":")
@@ -42,17 +44,24 @@ class Family:
         return StepBudget(canvas_length, renoise.max_denoising_steps, last_canvas_commits=False)
 
     def check(self, params) -> None:
-        """ParamError naming `diffusion.mode` if this family's weights cannot decode in the request's mode."""
+        """ParamError naming `diffusion.mode` if this family's weights cannot decode in the request's mode, or
+        the constraint's field if its steps cannot constrain that mode."""
         if params.mode not in self.modes:
             supported = " or ".join(f"mode={m!r}" for m in self.modes)
             raise ParamError(f"mode={params.mode!r} is not supported by {self.title}; use {supported}",
                                  "diffusion.mode")
+        if params.grammar is not None and params.mode not in self.constrained_modes:
+            field = params.grammar.field
+            served = f" (it is in mode {' or '.join(map(repr, self.constrained_modes))})" if self.constrained_modes else ""
+            raise ParamError(f"{field}: structured output is not implemented for {self.title} in mode="
+                             f"{params.mode!r}{served}", field)
 
 
 FAMILIES: dict[str, Family] = {
     "nemotron_labs_diffusion": Family(
         "nemotron-ld", "Nemotron-Labs-Diffusion", NemotronLabsDiffusionConfig, "model.nemotron_ld:NemotronLabsDiffusionModel",
-        "model.steps.masked:MaskedCanvasStep", modes=("diffusion", "ar", "linear_spec")),
+        "model.steps.masked:MaskedCanvasStep", modes=("diffusion", "ar", "linear_spec"),
+        constrained_modes=("diffusion", "ar")),
     "diffusion_gemma": Family(
         "diffusion-gemma", "DiffusionGemma", DiffusionGemmaConfig, "model.diffusion_gemma:DiffusionGemmaForBlockDiffusion",
         "model.steps.renoise:RenoiseCanvasStep", modes=("diffusion",), uniform_noise=True),

@@ -21,6 +21,8 @@ from model.checkpoint import RunnerArgs
 from model.config import RenoiseDefaults
 from model.drafts import DraftBuffer
 from model.families import FAMILIES
+from model.grammar.guide import GrammarGuide
+from model.grammar.tokenizer import grammar_tokenizer
 from model.graphs import (PREFILL_GRAPH_TOKENS, StepGraphs, bucket, capture_sizes, key_buckets, padded_size,
                           prefill_width, prefill_widths)
 from model.interface import DiffusionLM
@@ -50,12 +52,13 @@ class Runner:
                  cuda_graphs: bool | None = None, renoise_defaults: RenoiseDefaults | None = None,
                  max_steps_per_command: int = 64, sampler_passes: VocabPasses = TORCH_PASSES,
                  batch_invariant: bool = False, ar_ride_tokens: int = AR_RIDE_TOKENS,
-                 kv_pages: list[int] | None = None):
+                 kv_pages: list[int] | None = None, tokenizer_dir: str | None = None):
         """The model's family (model/families.py) gives the canvas step and the step budget;
         renoise_defaults: a uniform-noise family's schedule defaults (the checkpoint's generation_config.json;
         None: transformers' defaults); ar_ride_tokens: the most tokens AR rows may add to a canvas forward
         by riding in it (-1: never); kv_pages: the KV pool's pages per layer group, whose page tables the
-        scheduler's commands set (None: every slot its own pages for max_model_len positions)."""
+        scheduler's commands set (None: every slot its own pages for max_model_len positions); tokenizer_dir:
+        the checkpoint's tokenizer, which constrained requests' grammars read (None: the runner takes none)."""
         cfg = model.config
         self.family = FAMILIES[cfg.model_type]
         self.model, self.device = model, torch.device(device)
@@ -76,7 +79,10 @@ class Runner:
         self.pool_sizing: tuple[float, int] | None = None
         self.pool_report: dict = {}
         self.prefilling: set[int] = set()   # slots whose prompt is prefilled a chunk at a time, not to its end yet
-        slots = SlotTable(num_slots, self.C, cfg.mask_token_id or 0, self.device)
+        slots = SlotTable(num_slots, self.C, cfg.mask_token_id or 0, self.device, cfg.vocab_size)
+        load = None if tokenizer_dir is None else \
+            (lambda: grammar_tokenizer(tokenizer_dir, cfg.vocab_size, cfg.eos_token_ids))
+        self.grammar = GrammarGuide(slots, load, cfg.eos_token_ids, cfg.mask_token_id)
         self.env = StepEnv(model=model, kv=kv, slots=slots,
                            outputs=CommandOutputs(num_slots, self.C, max_steps_per_command, self.device),
                            drafts=DraftBuffer(num_slots, self.C, max_steps_per_command, self.device),
@@ -108,7 +114,7 @@ class Runner:
         runner = cls(model, num_slots=args.num_slots, max_model_len=args.max_model_len, device=args.device,
                      renoise_defaults=ckpt.renoise, max_steps_per_command=args.max_steps_per_command,
                      sampler_passes=sampler_passes(args.device), batch_invariant=args.batch_invariant,
-                     kv_pages=[pages] * len(model.kv_layout.group_windows))
+                     kv_pages=[pages] * len(model.kv_layout.group_windows), tokenizer_dir=str(ckpt.path))
         if by_memory:
             runner.pool_sizing = (args.gpu_memory_utilization, args.prefill_chunk)
         return runner
@@ -149,6 +155,7 @@ class Runner:
             for slot in cmd.release:
                 self.slots.info.pop(slot, None)
                 self.prefilling.discard(slot)
+            self.grammar.release(list(cmd.release))
             if cmd.release and self.managed_pages:   # a freed slot's table points at no page another may hold
                 self.kv.clear_pages(self.slots.device_index(list(cmd.release)))
             if cmd.pages:
@@ -172,8 +179,10 @@ class Runner:
                 if k == 0 and runs:
                     self._prefill(runs)
                 if canvas:
+                    self.grammar.check(canvas)
                     self._run("canvas", self.canvas_step, canvas, canvas_keys)
                 if ar:
+                    self.grammar.check(ar)
                     self._run("ar", self.causal.ar_step, ar, ar_keys)
             events.steps = steps
             scored = {s: i.params.logprobs for s, i in self.slots.info.items() if i.wants_scores}
@@ -341,6 +350,7 @@ class Runner:
                                  for n, k in zip(news, knobs)])
         self.drafts.admit(slots, [n.params.draft_every if n.params.stream_drafts else 0 for n in news])
         self.canvas_step.admit(slots, knobs)
+        self.grammar.admit(slots, [n.params for n in news])
         for n in news:
             self.slots.info[n.slot] = SlotInfo(n.params, tuple(n.prompt), n.cached)
         return slots

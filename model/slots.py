@@ -121,7 +121,8 @@ class SlotTable:
     batch size exceeds the step's rows (model/graphs.py): it is always DONE, so every step computes it and
     keeps nothing, and in the KV cache it is the write sink's slot (model/attention.py)."""
 
-    def __init__(self, num_slots: int, canvas_length: int, fill_token: int, device: torch.device):
+    def __init__(self, num_slots: int, canvas_length: int, fill_token: int, device: torch.device,
+                 vocab_size: int = 1):
         S, C, dev = num_slots + 1, canvas_length, device
         self.num_slots, self.pad, self.C, self.device = num_slots, num_slots, C, dev
         zeros = lambda dtype=torch.int64: torch.zeros(S, dtype=dtype, device=dev)  # noqa: E731
@@ -133,6 +134,10 @@ class SlotTable:
         self.seed_scores = ScoreBuffer(S, 1, dev)     # linear speculation: the score of the next seed
         for name, (dtype, _) in SLOT_PARAMS.items():
             setattr(self, name, zeros(dtype))
+        # structured output (model/grammar/guide.py): the one position of a row whose candidates the grammar
+        # limits (-1: none), and its allowed tokens, a bit each of the whole vocabulary
+        self.grammar_pos = torch.full((S,), -1, dtype=torch.int64, device=dev)
+        self.grammar_bits = torch.full((S, -(-vocab_size // 32)), -1, dtype=torch.int32, device=dev)
         self.phase[self.pad] = DONE
         self.info: dict[int, SlotInfo] = {}
         # the host's copy of the device state, as of the end of the last command

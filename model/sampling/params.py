@@ -51,6 +51,15 @@ PER_REQUEST = Settable()          # the request's `diffusion` object
 SERVER_DEFAULT = Settable(True)   # that, and a server-wide default
 
 
+class Grammar(BaseModel):
+    """A structured-output constraint as the engine takes it (docs/spec.md 12): the llguidance grammar that
+    model/grammar/compile.py checked, and the request field it came from, which an error names."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    text: str
+    field: str = "response_format"
+
+
 def fp32(x: float) -> float:
     """x as an fp32 tensor holds it (|x| within fp32's range)."""
     return struct.unpack("f", struct.pack("f", x))[0]
@@ -94,6 +103,8 @@ class DecodeParams(BaseModel):
         False, description="snapshot the canvas being denoised every draft_every steps")
     draft_every: Annotated[int, PER_REQUEST] = Field(4, ge=1, description="denoising steps between two drafts of "
                                                      "a canvas")
+    # structured output: every token the request emits keeps its text a prefix of the grammar's language
+    grammar: Grammar | None = None
 
     @field_validator(*FLOAT_FIELDS)
     @classmethod

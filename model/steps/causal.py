@@ -36,7 +36,7 @@ class CausalSteps:
             self.canvas.start(idx, real, None)
             return
         last = hidden[torch.arange(len(idx), device=env.device), lengths - 1]
-        x = env.logits(last[:, None])
+        x = env.logits(last[:, None], idx)
         st = env.sampler.stats(x, idx, plan)
         scores = env.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs, idx) if plan.scored else None
         env.observe("before", "prefill", idx, x)
@@ -72,7 +72,7 @@ class CausalSteps:
         live = phase == AR
         causal = torch.ones_like(live)
         hidden = env.forward(idx, t.last_token[idx][:, None], t.length[idx], 1, causal, plan.kv_len)
-        x = env.logits(hidden)
+        x = env.logits(hidden, idx)
         st = env.sampler.stats(x, idx, plan)
         token = st.sample[:, 0]
         scores = env.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs, idx) if plan.scored else None

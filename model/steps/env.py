@@ -67,14 +67,30 @@ class StepEnv:
         with step_context(ctx):
             return self.model(tokens, positions, soft)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """This rank's raw logits [..., V_r] (the LM head's dtype), the mask token's -inf (never predicted)."""
+    def logits(self, hidden: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's raw logits [..., V_r] (the LM head's dtype), the mask token's -inf (never predicted);
+        with the rows' slots idx ([B, W, H] hidden), a constrained row's grammar position limited to the
+        tokens its grammar allows (the rest -inf)."""
         x = self.model.head_logits(hidden)
         if self.mask_id is not None:
             local = self.mask_id - self.model.vocab_start
             if 0 <= local < x.shape[-1]:
                 x[..., local] = -torch.inf
+        if idx is not None:
+            self._constrain(x, idx)
         return x
+
+    def _constrain(self, x: torch.Tensor, idx: torch.Tensor) -> None:
+        """Device data only, in every step (an unconstrained row's position is -1 and keeps its logits
+        bit for bit), so constrained requests change no step's code (docs/spec.md 12)."""
+        t = self.slots
+        pos = t.grammar_pos[idx]
+        rows = torch.arange(x.shape[0], device=x.device)
+        col = pos.clamp(0, x.shape[1] - 1)
+        ids = torch.arange(self.model.vocab_start, self.model.vocab_start + x.shape[-1], device=x.device)
+        words = t.grammar_bits[idx][:, ids >> 5]                                  # [B, V_r]
+        allowed = ((words >> (ids & 31)) & 1).bool() | (pos < 0)[:, None]
+        x[rows, col] = torch.where(allowed, x[rows, col], -torch.inf)
 
     def observe(self, event: str, kind: str, idx: torch.Tensor, logits: torch.Tensor | None = None) -> None:
         if self.observer is not None:

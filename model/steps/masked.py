@@ -67,7 +67,7 @@ class MaskedCanvasStep:
         # (its page table covers the tokens it feeds, not a canvas)
         lengths = torch.where(is_ar, 1, C)
         hidden = r.forward(idx, tokens, t.length[idx], C, causal, plan.kv_len, lengths=lengths)
-        x = r.logits(hidden)                                            # [B, C, V_r] raw, mask token -inf
+        x = r.logits(hidden, idx)                                       # [B, C, V_r] raw, mask token -inf
         st = r.sampler.stats(x, idx, plan)
         scores = r.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs, idx) if plan.scored else None
         r.observe("before", "canvas", idx, x)
@@ -85,13 +85,17 @@ class MaskedCanvasStep:
         # denoise: reveal candidates by the row's policy (docs/spec.md 3.3-3.7)
         masked = canvas == MASK
         confidence = torch.where(masked, st.x_sample - st.lse_u, -torch.inf)
+        # a constrained row's frontier, sampled under its grammar, is revealed whatever the policy: each step
+        # extends the valid text by a token at least (docs/spec.md 12)
+        frontier = torch.arange(C, device=idx.device) == t.grammar_pos[idx][:, None]
+        confidence = torch.where(frontier & masked, torch.inf, confidence)
         N = t.steps_limit[idx]
         # compiled, every policy and the early stop are computed (each row keeps its own): one compiled
         # variant serves every mix of policies, and the extra work fuses into few kernels
         compiling = torch.compiler.is_compiling()
         policies = tuple(POLICIES) if compiling else plan.policies
         revealed = reveal(t.policy[idx], list(policies), masked, n, N, confidence=confidence,
-                          entropy=st.entropy_u if "entropy_bound" in policies else None,
+                          entropy=torch.where(frontier, 0.0, st.entropy_u) if "entropy_bound" in policies else None,
                           tau=t.tau[idx], gamma=t.gamma[idx]) & is_denoise[:, None]
         denoised = torch.where(revealed, st.sample, canvas)
         still_masked = denoised == MASK

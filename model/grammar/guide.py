@@ -1,0 +1,172 @@
+"""The host side of constrained decoding on one rank (docs/spec.md 12): each constrained slot's llguidance
+matcher, and before every step over its row, the check of what the last step revealed.
+
+A row's text is valid while the grammar takes it from the committed end: the canvas's revealed run from
+position 0 is checked left to right; its first token the grammar refuses is masked again (the next step
+samples it anew), and the position after the valid run, the frontier, is the one whose candidates the
+grammar limits (model/steps/env.py) and which the step reveals whatever its policy (model/steps/masked.py).
+Positions past the frontier are sampled freely and checked when the run reaches them, so a canvas reveals in
+parallel what the grammar lets through. A commit step's frontier is its last position, whose prediction
+seeds the next canvas; an AR row's is its one token. Every rank runs the same checks on the same tokens, so
+their masks agree without a collective.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import llguidance
+import numpy as np
+from llguidance.numpy import fill_next_token_bitmask
+import torch
+
+from model.grammar.compile import parser_limits
+from model.phases import AR, COMMIT, DENOISE, DONE
+from model.sampling.params import DecodeParams
+from model.slots import SlotTable
+
+# compiled grammars kept for reuse (a matcher's deep copy is cheap; building one compiles its grammar)
+COMPILED_GRAMMARS = 64
+
+
+class SlotGrammar:
+    """One constrained slot: a matcher at the end of the slot's committed text, and what the last check saw."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, eos: frozenset[int], ignore_eos: bool, words: int):
+        self.matcher, self.eos, self.ignore_eos, self.words = matcher, eos, ignore_eos, words
+        self.length: int | None = None   # the slot's written length at the last check (None: no check yet)
+        self.emitted = 0                 # its emitted tokens at the last check (AR rows)
+        self.canvas: list[int] = []      # the canvas as the last check left it: what a commit emits
+        self.ended = False               # the grammar took an EOS: only EOS may follow (ignore_eos)
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` (after the committed text) the grammar takes; past an EOS it accepted,
+        only EOS."""
+        v = 0 if self.ended else self.matcher.validate_tokens(tokens)
+        if not self.ended and not (v and tokens[v - 1] in self.eos):
+            return v
+        while v < len(tokens) and tokens[v] in self.eos:
+            v += 1
+        return v
+
+    def ends_within(self, tokens: list[int]) -> bool:
+        """Whether valid `tokens` hold an EOS that ends the request (the rest of its canvas is never emitted)."""
+        return not self.ignore_eos and any(x in self.eos for x in tokens)
+
+    def commit(self, tokens: list[int]) -> None:
+        """The slot emitted `tokens` (valid: checked before): the matcher moves past them."""
+        for x in tokens:
+            if self.ended:
+                continue
+            self.matcher.consume_token(x)
+            self.ended = x in self.eos
+
+    def mask_after(self, prefix: list[int], out: np.ndarray) -> None:
+        """The tokens the grammar allows after `prefix` (valid), as bits into out [words]."""
+        done = self.ended or any(x in self.eos for x in prefix)
+        if not done:
+            self.matcher.consume_tokens(prefix)
+            fill_next_token_bitmask(self.matcher, out[None], 0)
+            self.matcher.rollback(len(prefix))
+            if self.matcher.is_error() or not out.any():
+                done = True   # nothing allowed: end the text as soon as possible
+        if done:
+            out[:] = 0
+            for e in self.eos:
+                bit = 1 << (e & 31)
+                out[e >> 5] |= bit - (1 << 32) if bit >= 1 << 31 else bit
+
+
+class GrammarGuide:
+    def __init__(self, slots: SlotTable, load_tokenizer: Callable[[], llguidance.LLTokenizer] | None,
+                 eos: list[int], mask_id: int | None):
+        """load_tokenizer: the served tokenizer for llguidance, built on the first constrained request
+        (None: this runner takes none)."""
+        self.t, self.load_tokenizer = slots, load_tokenizer
+        self.eos, self.mask_id = frozenset(eos), mask_id
+        self.words = slots.grammar_bits.shape[1]
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.active: dict[int, SlotGrammar] = {}
+
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        if self.load_tokenizer is None:
+            raise ValueError("this runner was built without its tokenizer: it takes no constrained request")
+        if self._tokenizer is None:
+            self._tokenizer = self.load_tokenizer()
+        if grammar not in self._compiled:
+            self._compiled[grammar] = llguidance.LLMatcher(self._tokenizer, grammar, limits=parser_limits())
+            if len(self._compiled) > COMPILED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(grammar)
+        return self._compiled[grammar].deep_copy()
+
+    def admit(self, slots: list[int], params: list[DecodeParams]) -> None:
+        """New slots: a constrained one's first prediction (the prefill's) is limited to what its grammar
+        starts with."""
+        mine = [(s, p) for s, p in zip(slots, params) if p.grammar is not None]
+        for s, p in mine:
+            self.active[s] = SlotGrammar(self.matcher(p.grammar.text), self.eos, p.ignore_eos, self.words)
+        if mine:
+            bits = np.zeros((len(mine), self.words), dtype=np.int32)
+            for row, (s, _) in enumerate(mine):
+                self.active[s].mask_after([], bits[row])
+            self._write([s for s, _ in mine], [0] * len(mine), bits)
+
+    def release(self, slots: list[int]) -> None:
+        gone = [s for s in slots if self.active.pop(s, None) is not None]
+        if gone:
+            self.t.grammar_pos[self.t.device_index(gone)] = -1
+
+    def check(self, slots: list[int]) -> None:
+        """Before a step over rows `slots`: each constrained one's text as the last step left it, checked;
+        the first refused token masked again, the frontier and its allowed tokens set (one copy of the rows'
+        state to the host and one back: a step with constrained rows waits for the host)."""
+        mine = [s for s in slots if s in self.active]
+        if not mine:
+            return
+        t, C = self.t, self.t.C
+        idx = t.device_index(mine)
+        state = torch.cat([torch.stack([t.phase[idx], t.length[idx], t.emitted[idx], t.last_token[idx]], 1),
+                           t.canvas[idx]], 1).tolist()
+        pos, bits = [], np.zeros((len(mine), self.words), dtype=np.int32)
+        phases, canvases = [], []
+        for row, (s, (phase, length, emitted, last, *canvas)) in enumerate(zip(mine, state)):
+            g = self.active[s]
+            p, prefix = -1, []
+            if phase == AR:
+                if emitted > g.emitted:   # one token a step, the prefill's first
+                    g.commit([last])
+                g.emitted = emitted
+                p = 0
+            elif phase in (DENOISE, COMMIT):
+                if g.length is not None and length > g.length:   # the canvas checked last was committed
+                    g.commit(g.canvas)
+                g.length = length
+                end = canvas.index(self.mask_id) if self.mask_id in canvas else C
+                v = g.valid_prefix(canvas[:end])
+                if g.ends_within(canvas[:v]):
+                    pass   # the request ends at that EOS: nothing after it is emitted
+                elif v < end:   # the first refused token: masked again, sampled anew next step
+                    canvas[v] = self.mask_id
+                    phase, p, prefix = DENOISE, v, canvas[:v]
+                elif end < C:
+                    p, prefix = end, canvas[:end]
+                elif phase == COMMIT:   # a valid canvas: its commit's last prediction seeds the next canvas
+                    p, prefix = C - 1, canvas
+                g.canvas = canvas
+            if p >= 0:
+                g.mask_after(prefix, bits[row])
+            pos.append(p)
+            phases.append(phase)
+            canvases.append(canvas)
+        self._write(mine, pos, bits)
+        dev = t.device
+        t.phase.index_copy_(0, idx, torch.tensor(phases, dtype=torch.int64).to(dev))
+        t.canvas.index_copy_(0, idx, torch.tensor(canvases, dtype=torch.int64).to(dev))
+
+    def _write(self, slots: list[int], pos: list[int], bits: np.ndarray) -> None:
+        t = self.t
+        idx = t.device_index(slots)
+        t.grammar_pos.index_copy_(0, idx, torch.tensor(pos, dtype=torch.int64).to(t.device))
+        t.grammar_bits.index_copy_(0, idx, torch.from_numpy(bits).to(t.device))

@@ -1,0 +1,223 @@
+"""Structured output on the engine (docs/spec.md 12): every output that stops parses and validates (the
+`jsonschema` library for JSON, Python's `re` for regexes), every output cut at max_tokens is a prefix the
+grammar takes (a fresh llguidance matcher), in every reveal policy and in AR mode, many seeds each, on the tiny
+random-weight model, which left alone writes noise, so every valid output is the constraint's doing; the
+unconstrained neighbours of constrained requests keep their tokens and logprobs; TP = 2 gives TP = 1's tokens;
+a grammar that lets text through keeps the canvas revealing several tokens a step."""
+import json
+import random
+import re
+from pathlib import Path
+
+import jsonschema
+import llguidance
+import pytest
+
+from model.checkpoint import Checkpoint
+from model.grammar.compile import GrammarRequest, check_grammar
+from model.grammar.tokenizer import grammar_tokenizer
+from model.sampling.params import DecodeParams, Grammar, ParamError
+from tests import served
+from workers.engine import Engine
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 5},
+    "n": {"type": "integer", "minimum": 0, "maximum": 999},
+    "ok": {"type": "boolean"},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+    "required": ["name", "n", "ok"], "additionalProperties": False}
+REGEX = r"(yes|no)-[0-9]{2,4}"
+CHOICES = ["red", "green", "blue"]
+LARK = 'start: "(" item ("," item)* ")"\nitem: /[0-9]/ | "x"'
+SEEDS = range(6)
+MODES = [("diffusion", "threshold"), ("diffusion", "low_confidence"), ("diffusion", "leftmost"),
+         ("diffusion", "entropy_bound"), ("ar", "threshold")]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_nemotron):
+    with Engine(tiny_nemotron, num_slots=8, max_model_len=512, enable_prefix_caching=False) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tiny_nemotron):
+    from transformers import AutoTokenizer
+
+    cfg = Checkpoint.read(str(tiny_nemotron)).config
+    return AutoTokenizer.from_pretrained(tiny_nemotron), grammar_tokenizer(tiny_nemotron, cfg.vocab_size,
+                                                                           cfg.eos_token_ids)
+
+
+def grammar(tokenizers, kind: str, value) -> Grammar:
+    return Grammar(text=check_grammar(GrammarRequest(kind, value, "response_format"), tokenizers[1]))
+
+
+def prompt(seed: int, n: int = 12) -> list[int]:
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(101, 997) for _ in range(n - 1)]
+
+
+def check(r: served.Served, g: Grammar, tokenizers, valid) -> str:
+    """The output's text where it stopped (the grammar complete, `valid` holds of it), or the prefix cut at
+    max_tokens; the grammar takes every token either way."""
+    hf, llt = tokenizers
+    matcher = llguidance.LLMatcher(llt, g.text)
+    assert matcher.validate_tokens(r.output) == len(r.output), (r.finish_reason, r.output)
+    if r.finish_reason == "stop":
+        assert r.output[-1] in llt.eos_tokens
+        text = hf.decode(r.output[:-1])
+        valid(text)
+        return text
+    assert r.finish_reason == "length" and len(r.output) == r.params.max_tokens
+    return hf.decode(r.output)
+
+
+def json_valid(text: str) -> None:
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize("mode, policy", MODES, ids=[f"{m}-{p}" for m, p in MODES])
+def test_json_schema_outputs_validate(engine, tokenizers, mode, policy):
+    g = grammar(tokenizers, "json_schema", SCHEMA)
+    params = [DecodeParams(mode=mode, policy=policy, temperature=1.0, seed=s, max_tokens=64, grammar=g)
+              for s in SEEDS]
+    done = served.generate(engine, [prompt(s) for s in SEEDS], params)
+    stopped = [check(r, g, tokenizers, json_valid) for r in done if r.finish_reason == "stop"]
+    for r in done:
+        check(r, g, tokenizers, json_valid)
+    assert len(stopped) >= len(SEEDS) // 2, [r.finish_reason for r in done]
+
+
+# (kind, value, what a stopped text satisfies, whether most outputs stop: an open-ended grammar, such as any
+# JSON object, lets the noise-writing model go on to max_tokens, where the output is a valid prefix)
+@pytest.mark.parametrize("kind, value, valid, bounded", [
+    ("regex", REGEX, lambda text: re.fullmatch(REGEX, text) or pytest.fail(text), True),
+    ("choice", CHOICES, lambda text: text in CHOICES or pytest.fail(text), True),
+    ("grammar", LARK, lambda text: re.fullmatch(r"\(([0-9x])(,[0-9x])*\)", text) or pytest.fail(text), True),
+    ("grammar", 'root ::= "<" [a-c] [a-c]? ">"', lambda text: re.fullmatch(r"<[a-c]{1,2}>", text) or pytest.fail(text),
+     True),
+    ("json_object", None, lambda text: isinstance(json.loads(text), dict) or pytest.fail(text), False),
+], ids=["regex", "choice", "lark", "gbnf", "json_object"])
+def test_every_kind_of_constraint_holds(engine, tokenizers, kind, value, valid, bounded):
+    g = grammar(tokenizers, kind, value)
+    params = [DecodeParams(mode=mode, policy=policy, temperature=1.0, seed=s, max_tokens=40, grammar=g)
+              for s in SEEDS for mode, policy in MODES[::2]]
+    done = served.generate(engine, [prompt(100 + i) for i in range(len(params))], params)
+    for r in done:
+        check(r, g, tokenizers, valid)
+    assert sum(r.finish_reason == "stop" for r in done) >= (len(done) // 2 if bounded else 1)
+
+
+def test_an_output_cut_at_max_tokens_is_a_valid_prefix(engine, tokenizers):
+    g = grammar(tokenizers, "regex", "[a-z]{30,40}")
+    done = served.generate(engine, [prompt(7), prompt(8)], [
+        DecodeParams(mode="diffusion", temperature=1.0, seed=1, max_tokens=5, grammar=g),
+        DecodeParams(mode="ar", temperature=1.0, seed=1, max_tokens=9, grammar=g)])
+    for r in done:
+        assert r.finish_reason == "length"
+        assert re.fullmatch("[a-z]*", check(r, g, tokenizers, None))
+
+
+def test_ignore_eos_after_a_complete_text_writes_only_eos(engine, tokenizers):
+    g = grammar(tokenizers, "choice", CHOICES)
+    [r] = served.generate(engine, [prompt(9)], [DecodeParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True,
+                                                              grammar=g)])
+    hf, llt = tokenizers
+    assert len(r.output) == 40 and r.finish_reason == "length"
+    end = next(i for i, x in enumerate(r.output) if x in llt.eos_tokens)
+    assert hf.decode(r.output[:end]) in CHOICES and all(x in llt.eos_tokens for x in r.output[end:])
+
+
+def probe_params(rng: random.Random) -> DecodeParams:
+    mode = rng.choice(["diffusion", "ar"])
+    return DecodeParams(mode=mode, temperature=rng.choice([0, 1.0]), seed=rng.randrange(1000), max_tokens=rng.randint(9, 60),
+                        logprobs=rng.choice([0, 2]), ignore_eos=True,
+                        policy=rng.choice(["threshold", "entropy_bound", "leftmost"]))
+
+
+def test_neighbours_of_constrained_requests_keep_their_tokens_and_logprobs(engine, tokenizers):
+    """Batch isolation: unconstrained probes alone and beside constrained requests give the same tokens and
+    scores; a constrained probe too."""
+    rng = random.Random(3)
+    g = grammar(tokenizers, "json_schema", SCHEMA)
+    probes = [(prompt(300 + i, rng.randint(3, 30)), probe_params(rng)) for i in range(4)]
+    probes.append((prompt(310), DecodeParams(temperature=1.0, seed=5, max_tokens=48, logprobs=1, grammar=g)))
+    alone = [served.generate(engine, [p], [q])[0] for p, q in probes]
+    neighbours = [(prompt(400 + i), DecodeParams(mode=m, policy=pol, temperature=1.0, seed=i, max_tokens=48,
+                                                 grammar=g)) for i, (m, pol) in enumerate(MODES[:3])]
+    batch = probes + neighbours
+    rng.shuffle(batch)
+    done = served.generate(engine, [p for p, _ in batch], [q for _, q in batch])
+    by_prompt = {tuple(p): r for (p, _), r in zip(batch, done)}
+    for (p, q), ref in zip(probes, alone):
+        got = by_prompt[tuple(p)]
+        assert got.output == ref.output, q
+        assert len(got.logprobs) == len(got.output)
+        assert max(abs(x - y) for x, y in zip(got.logprobs, ref.logprobs)) < 1e-4
+        assert got.ranks == ref.ranks and got.top_ids == ref.top_ids
+
+
+def test_tensor_parallel_constrained_equals_tp1(engine, tiny_nemotron, tokenizers):
+    g = grammar(tokenizers, "json_schema", SCHEMA)
+    prompts = [prompt(500 + i) for i in range(3)]
+    params = [DecodeParams(mode=m, policy=p, temperature=1.0, seed=i, max_tokens=48, logprobs=0, grammar=g)
+              for i, (m, p) in enumerate([MODES[0], MODES[3], MODES[4]])]
+    tp1 = served.generate(engine, prompts, params)
+    with Engine(tiny_nemotron, tp=2, num_slots=8, max_model_len=512, enable_prefix_caching=False) as e:
+        tp2 = served.generate(e, prompts, params)
+    for a, b in zip(tp1, tp2):
+        assert a.output == b.output and a.finish_reason == b.finish_reason
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+
+
+DEFAULT_DIR = Path(__file__).resolve().parents[1] / "model" / "checkpoints" / "tiny-docstrings"
+
+
+def test_a_permissive_grammar_keeps_parallel_reveals():
+    """The default model writes docstring words; a regex that lets most text through (no brackets, at least
+    300 characters) leaves a canvas of 8 steps revealing several tokens a step, where revealing only the
+    frontier would give one (docs/spec.md 12)."""
+    from transformers import AutoTokenizer
+
+    cfg = Checkpoint.read(str(DEFAULT_DIR)).config
+    llt = grammar_tokenizer(DEFAULT_DIR, cfg.vocab_size, cfg.eos_token_ids)
+    g = Grammar(text=check_grammar(GrammarRequest("regex", r"[^<>\[\]]{300,600}", "response_format"), llt))
+    hf = AutoTokenizer.from_pretrained(DEFAULT_DIR)
+    ids = hf.encode("Return the number of items in the")
+    params = DecodeParams(temperature=0, max_tokens=64, policy="low_confidence", max_denoising_steps=8, grammar=g)
+    with Engine(str(DEFAULT_DIR), num_slots=2, max_model_len=512) as e:
+        [bound] = served.generate(e, [ids], [params])
+    assert bound.finish_reason == "length" and re.fullmatch(r"[^<>\[\]]*", hf.decode(bound.output))
+    assert len(bound.output) / bound.denoising_steps >= 2
+
+
+def test_modes_and_families_without_constrained_steps_are_refused(tiny_gemma):
+    from model.families import FAMILIES
+
+    g = Grammar(text="{}", field="structured_outputs.regex")
+    with pytest.raises(ParamError) as err:
+        FAMILIES["nemotron_labs_diffusion"].check(DecodeParams(mode="linear_spec", grammar=g))
+    assert err.value.param == "structured_outputs.regex" and "linear_spec" in err.value.message
+    with pytest.raises(ParamError) as err:
+        FAMILIES["diffusion_gemma"].check(DecodeParams(grammar=g))
+    assert err.value.param == "structured_outputs.regex" and "DiffusionGemma" in err.value.message
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_constrain_and_keep_the_neighbours_bits(tiny_nemotron, tokenizers):
+    """On CUDA, in the graphs the server replays, under batch_invariant: constrained outputs validate, and an
+    unconstrained request beside constrained ones keeps its bits (tokens and logprobs) of running alone."""
+    g = grammar(tokenizers, "json_schema", SCHEMA)
+    probe = (prompt(600), DecodeParams(temperature=1.0, seed=2, max_tokens=40, logprobs=2, ignore_eos=True))
+    bound = [(prompt(610 + i), DecodeParams(mode=m, policy=p, temperature=1.0, seed=i, max_tokens=48, grammar=g))
+             for i, (m, p) in enumerate(MODES)]
+    with Engine(tiny_nemotron, num_slots=8, max_model_len=512, device="cuda", dtype="bfloat16", batch_invariant=True,
+                enable_prefix_caching=False) as e:
+        [alone] = served.generate(e, [probe[0]], [probe[1]])
+        done = served.generate(e, [probe[0]] + [p for p, _ in bound], [probe[1]] + [q for _, q in bound])
+        assert e.shards.runner.graphs.eager_steps == 0
+    assert done[0].output == alone.output and done[0].logprobs == alone.logprobs
+    assert done[0].top_logprobs == alone.top_logprobs
+    for r in done[1:]:
+        check(r, g, tokenizers, json_valid)
