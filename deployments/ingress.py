@@ -34,6 +34,7 @@ from deployments.protocol import (ChatCompletionRequest, CompletionRequest, Deto
 from deployments.readiness import STATS_S, Readiness
 from deployments.responses import ENDPOINT, ChoicesStream, Responder, cancel_all
 from deployments.structured import GrammarCompiler
+from deployments.tools import ToolFormat
 from model.checkpoint import Checkpoint
 from model.sampling.params import DecodeParams, ParamError
 
@@ -101,9 +102,10 @@ class OpenAIIngress:
         self._watch = asyncio.get_running_loop().create_task(placement.run())
         self.readiness = Readiness(coordinator, placement)
         self.grammars = GrammarCompiler(checkpoint)
+        self.tool_format = ToolFormat(self.tokenizer)
         self.family = checkpoint.family
         self.responder = Responder(self.tokenizer, self.model_name, config.canvas_length, config.mask_token_id,
-                                   self.readiness.next_output)
+                                   self.readiness.next_output, self.tool_format)
 
     # ---- endpoints ------------------------------------------------------------------------------
     @app.get("/health")
@@ -149,7 +151,7 @@ class OpenAIIngress:
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
         self._check_choices(1, body.n)
-        prompt = await self.prompts.chat(body.template_messages(), "messages")
+        prompt = await self.prompts.chat(body.template_messages(), "messages", tools=body.template_tools())
         length = "max_tokens" if body.max_completion_tokens is None and body.max_tokens is not None else \
             "max_completion_tokens"
         return await self._generate("chat", body, request, [(prompt, "messages")], length)
@@ -233,7 +235,9 @@ class OpenAIIngress:
         n = body.n
         planned = [(prompt, param, self._params(body, prompt, param)) for prompt, param in prompts]
         try:
-            constraint = body.grammar_request()
+            constraint = self.tool_format.grammar([t.model_dump() for t in body.tools], body.tool_mode,
+                                                  body.parallel_tool_calls, "tool_choice") \
+                if kind == "chat" and body.calls_tools else body.grammar_request()
         except ParamError as err:
             raise APIError(400, err.message, param=err.param) from None
         if constraint is not None:

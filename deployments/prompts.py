@@ -11,6 +11,7 @@ bound counts its messages' characters, which its templated prompt only adds to.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
 
 from deployments.errors import APIError
@@ -30,15 +31,18 @@ class PromptTokenizer:
         return await asyncio.to_thread(
             lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids))
 
-    async def chat(self, messages: list[dict[str, str]], param: str, add_generation_prompt: bool = True,
-                   continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
+    async def chat(self, messages: list[dict], param: str, add_generation_prompt: bool = True,
+                   continue_final_message: bool = False, add_special_tokens: bool = False,
+                   tools: list[dict] | None = None) -> list[int]:
         """The chat template applied to `messages` (the text it renders, tokenized without adding special
         tokens unless asked: the template writes them), as transformers' apply_chat_template(tokenize=True)
-        does; a 400 naming `param` if they do not fit the template."""
-        self._check_chars(sum(len(v) for m in messages for v in m.values()), param)
+        does, with the request's `tools` where the template renders them; a 400 naming `param` if they do
+        not fit the template."""
+        self._check_chars(sum(len(v if isinstance(v, str) else json.dumps(v)) for m in messages for v in m.values())
+                          + len(json.dumps(tools or [])), param)
 
         def apply() -> list[int]:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message, tokenize=False)
             return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
         try:

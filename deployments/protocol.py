@@ -63,7 +63,7 @@ COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions (vLLM's too)
 
 _PENALTY = ("a penalty depends on the tokens generated before a position, and a canvas reveals its positions "
             "in parallel, so no penalty is defined")
-_TOOLS = "tool calling is not implemented (no tool calls are parsed from the output)"
+_FUNCTIONS = "the legacy functions API is not implemented: use tools and tool_choice"
 # field -> (is the value a no-op, the no-op value(s) as a message shows them, why another is refused)
 NO_OPS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "presence_penalty": (lambda v: v == 0, "0", _PENALTY),
@@ -74,10 +74,8 @@ NO_OPS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
                    "logit_bias is not implemented"),
     "best_of": (lambda v: v == 1, "1", "best_of > 1 (choosing among several completions) is not implemented"),
     "suffix": (lambda v: v == "", '""', "suffix (inserting text between the prompt and a suffix) is not implemented"),
-    "tools": (lambda v: v == [], "[]", _TOOLS),
-    "functions": (lambda v: v == [], "[]", _TOOLS),
-    "tool_choice": (lambda v: v in ("none", "auto"), '"none" or "auto" (no tools: plain text)', _TOOLS),
-    "function_call": (lambda v: v in ("none", "auto"), '"none" or "auto" (no functions: plain text)', _TOOLS),
+    "functions": (lambda v: v == [], "[]", _FUNCTIONS),
+    "function_call": (lambda v: v in ("none", "auto"), '"none" or "auto" (no functions: plain text)', _FUNCTIONS),
     "store": (lambda v: v is False, "false", "this server does not store completions"),
     "modalities": (lambda v: v == ["text"], '["text"]', "this server's output is text only"),
 }
@@ -306,15 +304,74 @@ class CompletionRequest(_SamplingRequest):
                                    self.logprobs, "logprobs")
 
 
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[Text, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None   # a JSON schema of the arguments (None: any object)
+    strict: bool | None = None                 # accepted either way: arguments always follow the schema
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: dict[Literal["name"], Text]
+
+
 class _TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
 
+class FunctionCall(_Strict):
+    name: Text
+    arguments: Text   # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Strict):
+    """A call an assistant message made (sent back in the next turn of a conversation)."""
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: Text
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Text | None = None   # None only for an assistant message that made tool calls
     name: Text | None = None  # accepted, ignored
+    tool_calls: list[MessageToolCall] | None = None   # an assistant's
+    tool_call_id: Text | None = None                   # a tool's answer: the call it answers
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message makes tool_calls")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (null only for an assistant message with tool_calls)")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message names the call it answers: tool_call_id")
+        return self
+
+    def template(self) -> dict[str, Any]:
+        """As chat templates read a message: OpenAI's fields, a call's arguments as an object (what Hugging
+        Face's templates take)."""
+        m: dict[str, Any] = {"role": self.role, "content": self.content if self.content is not None else ""}
+        if self.tool_calls:
+            m["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
 
     @field_validator("content", mode="before")
     @classmethod
@@ -334,11 +391,12 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(None, ge=1, description="deprecated alias; max_completion_tokens wins")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] = _no_op([], maxItems=0)
+    tools: list[Tool] = Field(default_factory=list, max_length=128)
+    # None: "auto" with tools, "none" without (OpenAI's)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, validate_default=True)
+    parallel_tool_calls: bool = True
     functions: list[dict[str, Any]] = _no_op([], maxItems=0)
-    tool_choice: str | dict[str, Any] = _no_op("none", "none", "auto")
     function_call: str | dict[str, Any] = _no_op("none", "none", "auto")
-    parallel_tool_calls: bool = True   # without tools: nothing to call in parallel
     store: bool = _no_op(False)
     modalities: list[Literal["text"]] = _no_op(["text"], minItems=1, maxItems=1)
 
@@ -349,14 +407,45 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs is only allowed when logprobs is true")
         return v
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_of_the_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        if choice == "required" and not tools:
+            raise ValueError('"required" needs tools')
+        if isinstance(choice, NamedToolChoice) and choice.function.get("name") not in {t.function.name for t in tools}:
+            raise ValueError(f"names {choice.function.get('name')!r}, which is not among the tools")
+        fmt = info.data.get("response_format")
+        calls = tools and choice != "none"
+        if calls and (info.data.get("structured_outputs") is not None or (fmt is not None and fmt.type != "text")):
+            raise ValueError("tools constrain the output (unless tool_choice is \"none\"); so do response_format "
+                             "and structured_outputs: give one")
+        return choice
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required", or the name of the one function to call."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.function["name"]
+        return choice or ("auto" if self.tools else "none")
+
+    @property
+    def calls_tools(self) -> bool:
+        return bool(self.tools) and self.tool_mode != "none"
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates read them (OpenAI's shape), None without any."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] or None
+
     @property
     def max_output_tokens(self) -> int | None:
         """The length asked for; None: the default (the rest of the context)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         """The messages as `tokenizer.apply_chat_template` takes them."""
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        return [m.template() for m in self.messages]
 
     def decode_params(self, defaults: dict, default_max_tokens: Callable[[str], int]) -> DecodeParams:
         """`default_max_tokens(mode)`: the rest of the context in `mode`, as vLLM's chat default."""
@@ -390,8 +479,8 @@ class TokenizeChatRequest(_Strict):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return v
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template() for m in self.messages]
 
 
 def _tokenize_kind(v: Any) -> str:
@@ -507,7 +596,12 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None   # OpenAI's: id, type "function", function {name, arguments}
+
+    @model_serializer(mode="wrap")
+    def _no_empty_calls(self, handler):
+        return {k: v for k, v in handler(self).items() if k != "tool_calls" or v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -529,6 +623,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_none(self, handler):  # OpenAI sends {"role": ...} first, then {"content": ...}, last {}

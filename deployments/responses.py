@@ -18,6 +18,7 @@ from deployments.choices import Choice, gathered, merged
 from deployments.drafts import draft_event, draft_payload
 from deployments.errors import APIError, error_body
 from deployments.output import Delta, chat_logprobs, completion_logprobs
+from deployments.tools import ToolCall, ToolFormat
 from deployments.protocol import (ChatChoice, ChatCompletionResponse, ChatCompletionStreamResponse, ChatDelta,
                                   ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionResponse,
                                   CompletionStreamResponse, Usage)
@@ -59,8 +60,9 @@ class Responder:
     its end, its errors as APIError (deployments/readiness.py)."""
 
     def __init__(self, tokenizer, model_name: str, canvas_length: int, mask_id: int | None,
-                 next_output: Callable[[object], Awaitable[object]]):
+                 next_output: Callable[[object], Awaitable[object]], tool_format: ToolFormat | None = None):
         self.tokenizer = tokenizer
+        self.tool_format = tool_format   # how this checkpoint's answers call tools (deployments/tools.py)
         self.model_name = model_name
         self.canvas_length = canvas_length   # for usage.diffusion.canvas_positions and drafts
         self.mask_id = mask_id               # a draft's masked positions (None: uniform-noise canvases)
@@ -105,9 +107,29 @@ class Responder:
         if kind == "completion":
             logprobs = completion_logprobs(self.tokenizer, ids, lps, tops, offsets) if scored else None
             return CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=reason)
+        calls = self._calls(body, ids, text, reason)
+        if calls is not None:
+            return ChatChoice(index=choice.index, message=ChatResponseMessage(
+                content=None, tool_calls=[c.openai() for c in calls]), finish_reason="tool_calls")
         logprobs = chat_logprobs(self.tokenizer, ids, lps, tops) if scored and body.logprobs else None
         return ChatChoice(index=choice.index, message=ChatResponseMessage(content=text), logprobs=logprobs,
                           finish_reason=reason)
+
+    def _calls(self, body, ids: list[int], text: str, reason: str | None) -> list[ToolCall] | None:
+        """The tool calls a chat answer that ended at its grammar's end (or EOS) makes; None: it is text."""
+        if not getattr(body, "calls_tools", False) or reason != "stop" or self.tool_format is None:
+            return None
+        return self.tool_format.parse(ids, text, [t.model_dump() for t in body.tools])
+
+    def _may_be_calls(self, body, ids: list[int], text: str) -> bool:
+        """Whether an answer begun so far may still turn out to be tool calls (its text is held back)."""
+        if not getattr(body, "calls_tools", False) or self.tool_format is None:
+            return False
+        if body.tool_mode != "auto":
+            return True
+        if self.tool_format.name == "json":
+            return text.lstrip()[:1] in ("", "{", "[")
+        return not ids or ids[0] == self.tool_format.calls_id
 
     async def sse_stream(self, kind: str, body, chunk_id: str, choices: list[Choice], prompt_tokens: int):
         """Every choice's chunks as they come (each carries its choice's index; each choice ends with its own
@@ -140,9 +162,29 @@ class Responder:
             prom.REQUESTS.add(ENDPOINT[kind], status)
 
     async def _choice_events(self, kind: str, body, chunk_id: str, choice: Choice) -> AsyncIterator[str]:
-        """One choice's SSE events: its chunks, and its drafts when asked."""
+        """One choice's SSE events: its chunks, and its drafts when asked. An answer that may be tool calls
+        is held back until it is known: then one chunk with the calls (OpenAI's deltas, each call whole), or
+        the held text as one chunk."""
         assembler = choice.assembler
+        held: list[Delta] = []
+        deciding = kind == "chat"   # from the answer's start until it cannot be calls any more
         async for delta, out in self.outputs(choice):
+            deciding = deciding and self._may_be_calls(body, assembler.token_ids,
+                                                       "".join(d.text for d in held) + delta.text)
+            if deciding:
+                held.append(delta)
+                if delta.finish_reason is None:
+                    continue
+                text = "".join(d.text for d in held)
+                calls = self._calls(body, assembler.token_ids, text, delta.finish_reason)
+                if calls is not None:
+                    yield sse(ChatCompletionStreamResponse(id=chunk_id, model=self.model_name, choices=[ChatStreamChoice(
+                        index=choice.index, delta=ChatDelta(tool_calls=[c.openai(i) for i, c in enumerate(calls)]),
+                        finish_reason="tool_calls")]))
+                    return
+                delta, held = _joined(held), []
+            elif held:   # no longer possibly calls: the held text goes first
+                delta, held = _joined(held + [delta]), []
             drafts = out.new_drafts if out is not None else []
             # drafts of the canvases this output committed go before its text, the next canvas's after
             early = sum(d.offset < len(assembler.token_ids) for d in drafts)
@@ -181,3 +223,14 @@ class Responder:
         if steps == 0 and canvases == 0:
             return Usage.of(prompt_tokens, completion_tokens, cached_tokens=sum(cached.values()))
         return Usage.of(prompt_tokens, completion_tokens, steps, canvases, self.canvas_length, sum(cached.values()))
+
+
+def _joined(deltas: list[Delta]) -> Delta:
+    """Consecutive deltas of one choice as one."""
+    scored = deltas[0].logprobs is not None
+    return Delta(text="".join(d.text for d in deltas), token_ids=[t for d in deltas for t in d.token_ids],
+                 logprobs=[x for d in deltas for x in d.logprobs] if scored else None,
+                 ranks=[x for d in deltas for x in d.ranks] if scored and deltas[0].ranks is not None else None,
+                 top=[x for d in deltas for x in d.top] if scored and deltas[0].top is not None else None,
+                 text_offsets=[x for d in deltas for x in d.text_offsets], stopped=deltas[-1].stopped,
+                 finish_reason=deltas[-1].finish_reason)

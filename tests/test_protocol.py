@@ -70,7 +70,8 @@ def test_completion_error_messages():
 
 @pytest.mark.parametrize("extra, param", [
     ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": []}, "messages"), ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
     ({"stream": False, "stream_options": {}}, "stream_options"), ({"n": -1}, "n"), ({"temperature": 3}, "temperature"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"), ({"echo": False}, "echo"),
@@ -293,11 +294,12 @@ def test_openai_fields_at_their_no_op_values_are_accepted(path, extra):
     (CompletionRequest, {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
     (CompletionRequest, {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
      "structured_outputs", "give one"),
-    (ChatCompletionRequest, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
-    (ChatCompletionRequest, {"tool_choice": "required"}, "tool_choice", "tool calling"),
+    (ChatCompletionRequest, {"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name",
+     "pattern"),
+    (ChatCompletionRequest, {"tool_choice": "required"}, "tool_choice", "needs tools"),
     (ChatCompletionRequest, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
-     "tool calling"),
-    (ChatCompletionRequest, {"functions": [{"name": "f"}]}, "functions", "tool calling"),
+     "not among the tools"),
+    (ChatCompletionRequest, {"functions": [{"name": "f"}]}, "functions", "use tools and tool_choice"),
     (ChatCompletionRequest, {"store": True}, "store", "does not store"),
     (ChatCompletionRequest, {"modalities": ["text", "audio"]}, "modalities", "text only"),
     (CompletionRequest, {"stop": list("abcde")}, "stop", "at most 4 stop strings (got 5)"),
@@ -315,7 +317,7 @@ def test_no_op_fields_are_in_the_served_schema_at_their_no_op_values():
     chat = ChatCompletionRequest.model_json_schema()["properties"]
     completion = CompletionRequest.model_json_schema()["properties"]
     assert chat["presence_penalty"]["enum"] == [0] and completion["best_of"]["enum"] == [1]
-    assert chat["tool_choice"]["enum"] == ["none", "auto"] and chat["tools"]["maxItems"] == 0
+    assert chat["functions"]["maxItems"] == 0 and chat["function_call"]["enum"] == ["none", "auto"]
     assert chat["store"]["enum"] == [False] and completion["suffix"]["maxLength"] == 0
 
 
