@@ -3,9 +3,10 @@ reduction tests share.
 
     spawn_tp(fn, world_size, workdir, *args, timeout=...)
 
-starts `world_size` processes with torch.multiprocessing (spawn), joins them into one gloo process
-group through a `file://` rendezvous in `workdir`, and calls `fn(rank, world_size, *args)` in each
-(backend="nccl": one GPU per rank, cuda:rank, multicast off as in a shard).
+starts `world_size` processes with torch.multiprocessing (forked from a forkserver that has imported
+the model once; spawned for NCCL), joins them into one gloo process group through a `file://` rendezvous
+in `workdir`, and calls `fn(rank, world_size, *args)` in each (backend="nccl": one GPU per rank,
+cuda:rank, multicast off as in a shard).
 Every wait is bounded: a rank that hangs (a collective another rank never issues, a deadlock) makes
 `spawn_tp` kill the group and raise TimeoutError instead of hanging the test session; a rank that
 raises makes it raise RuntimeError carrying every failed rank's traceback. `fn` must be importable
@@ -66,6 +67,22 @@ def _entry(rank: int, world_size: int, init_file: str, error_dir: str, collectiv
         raise
 
 
+# Gloo ranks are forked from one server process (multiprocessing's forkserver, started by the first call)
+# that has imported torch, the model and these helpers once: a spawned rank imported them itself, ~3 s of a
+# core each (~4 s with compressed-tensors), for the ~25 ranks of a suite. The server never touches CUDA;
+# NCCL ranks are spawned as before. A rank imports its own test module (under pytest's name for it), whose
+# imports are then these, already loaded.
+FORKSERVER_PRELOAD = ["tests.tp_harness", "tests.fp8_reference"]
+
+
+def _start_method(backend: str) -> str:
+    if backend != "gloo":
+        return "spawn"
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)   # read when the server starts: the first call's
+    return "forkserver"
+
+
 def spawn_tp(fn, world_size: int, workdir: str | Path, *args, timeout: float = 120.0,
              collective_timeout_s: float = 60.0, backend: str = "gloo") -> None:
     """Run fn(rank, world_size, *args) on world_size ranks; raise on any failure or on timeout."""
@@ -75,8 +92,8 @@ def spawn_tp(fn, world_size: int, workdir: str | Path, *args, timeout: float = 1
     init_file = workdir / f"rendezvous-{tag}"  # must not exist yet
     error_dir = workdir / f"errors-{tag}"
     error_dir.mkdir()
-    ctx = mp.spawn(_entry, args=(world_size, str(init_file), str(error_dir), collective_timeout_s, backend, fn, args),
-                   nprocs=world_size, join=False)
+    ctx = mp.start_processes(_entry, args=(world_size, str(init_file), str(error_dir), collective_timeout_s, backend,
+                                           fn, args), nprocs=world_size, join=False, start_method=_start_method(backend))
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=max(0.05, deadline - time.monotonic()), grace_period=5):
