@@ -166,6 +166,24 @@ def slow_stream_body(model: str, max_tokens: int = 320, **extra) -> dict:
             "temperature": 0, "diffusion": {"policy": "low_confidence", "max_denoising_steps": 32}, **extra}
 
 
+def raw_stream(url: str, app: str, body: dict) -> tuple[list[dict], list[dict]]:
+    """(drafts, data chunks) of one streamed completion of the app at `url` (http://host:port), read as SSE
+    lines by hand: drafts ride in SSE comments (deployments/drafts.py)."""
+    from deployments.drafts import PREFIX
+
+    drafts, chunks = [], []
+    with httpx.stream("POST", f"{url}/{app}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith(PREFIX):
+                drafts.append(json.loads(line[len(PREFIX):]))
+            elif line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+            else:
+                assert line in ("", "data: [DONE]"), line
+    return drafts, chunks
+
+
 def assert_stream_ended_with_error(payloads: list[str]) -> dict:
     """An error after the stream began: one {"error": ...} event, then [DONE], nothing after."""
     assert len(payloads) >= 2 and payloads[-1] == "[DONE]", payloads[-3:]

@@ -17,9 +17,10 @@ from deployments.app import build_app
 from deployments.ingress import OpenAIIngress
 from deployments.args import AppArgs
 from deployments.choices import choice_seed
+from deployments.drafts import PLACEHOLDER
 from model.checkpoint import Checkpoint
 from model.tiny import write_diffusion_gemma
-from tests.serve_harness import assert_openai_error, serving, sse_payloads, wait_until
+from tests.serve_harness import assert_openai_error, raw_stream, serving, sse_payloads, wait_until
 from workers.request import RequestOutput
 
 pytestmark = pytest.mark.shared_serve
@@ -254,6 +255,24 @@ def test_diffusion_gemma_served_by_the_same_app(server):
     with pytest.raises(openai.BadRequestError) as err:
         c.completions.create(model="gemma", prompt="x", extra_body={"diffusion": {"t_min": 0.9, "t_max": 0.5}})
     assert "t_max" in err.value.body["message"]
+
+
+def test_uniform_noise_drafts_over_sse(server):
+    """DiffusionGemma's drafts over raw SSE (Nemotron-LD's: tests/test_watch_http.py), on this module's gemma
+    app rather than an app of its own with the same checkpoint and settings."""
+    base = {"model": "gemma", "prompt": "noise", "max_tokens": 32, "seed": 4, "logprobs": 0, "stream": True,
+            "ignore_eos": True}
+    fixed = {"max_denoising_steps": 4, "confidence_threshold": 0}
+    host = f"http://127.0.0.1:{server}"
+    drafts, chunks = raw_stream(host, "gemma", {**base, "diffusion": {**fixed, "stream_drafts": True, "draft_every": 2}})
+    _, plain = raw_stream(host, "gemma", {**base, "diffusion": fixed})
+    assert [ch["choices"] for ch in chunks] == [ch["choices"] for ch in plain]
+    committed = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert [(d["offset"], d["step"]) for d in drafts] == [(0, 2), (0, 4), (16, 2), (16, 4)]
+    for d in drafts:  # no mask token: the argmax canvas, every position shown; `known` = accepted
+        assert None not in d["tokens"] and PLACEHOLDER not in d["text"] and any(d["known"])
+        if d["step"] == 4:  # the converged step: the canvas the commit emits
+            assert d["cells"] == committed[d["offset"]:d["offset"] + 16]
 
 
 def url(server, app: str, path: str) -> str:

@@ -1,8 +1,8 @@
-"""Watching the server over real HTTP on tiny checkpoints (CPU): provisional streaming of drafts (both
-families, raw SSE and the real `openai` client), the playground page in headless Chromium, and the
-Prometheus metrics moving by exactly what a known amount of traffic adds."""
+"""Watching the server over real HTTP on tiny checkpoints (CPU): provisional streaming of drafts (raw SSE and
+the real `openai` client; DiffusionGemma's are tests/test_http.py's, on its app of the same checkpoint and
+settings), the playground page in headless Chromium, and the Prometheus metrics moving by exactly what a
+known amount of traffic adds."""
 import concurrent.futures as cf
-import json
 import os
 import re
 import signal
@@ -13,9 +13,8 @@ import pytest
 from ray import serve
 
 from deployments.app import build_app
-from deployments.drafts import PLACEHOLDER, PREFIX
-from model.tiny import write_diffusion_gemma
-from tests.serve_harness import serving, wait_until
+from deployments.drafts import PLACEHOLDER
+from tests.serve_harness import raw_stream, serving, wait_until
 
 pytestmark = pytest.mark.shared_serve
 
@@ -23,31 +22,14 @@ CHROMIUM = "/usr/bin/chromium"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_nemotron, tmp_path_factory):
-    gemma = write_diffusion_gemma(tmp_path_factory.mktemp("tiny-gemma-watch"), seed=0)
+def server(tiny_nemotron):
     with serving({"n": build_app({"model": str(tiny_nemotron), "served_model_name": "tiny", "max_model_len": 512,
-                                  "max_num_seqs": 4, "max_steps_per_command": 8}),
-                  "g": build_app({"model": str(gemma), "served_model_name": "gemma", "max_model_len": 256})}) as port:
+                                  "max_num_seqs": 4, "max_steps_per_command": 8})}) as port:
         yield f"http://127.0.0.1:{port}"
 
 
 def client(url: str, app: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/{app}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def raw_stream(url: str, app: str, body: dict) -> tuple[list[dict], list[dict]]:
-    """(drafts, data chunks) of one streamed completion, read as SSE lines by hand."""
-    drafts, chunks = [], []
-    with httpx.stream("POST", f"{url}/{app}/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith(PREFIX):
-                drafts.append(json.loads(line[len(PREFIX):]))
-            elif line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[len("data: "):]))
-            else:
-                assert line in ("", "data: [DONE]"), line
-    return drafts, chunks
 
 
 def comparable(chunks) -> list:
@@ -91,21 +73,6 @@ def test_openai_client_sees_the_same_chunks_with_drafts(server):
     drafting = list(c.completions.create(**kw, extra_body={"ignore_eos": True, "diffusion": dict(
         NEMOTRON_DIFFUSION, stream_drafts=True, draft_every=2)}))
     assert comparable(drafting) == comparable(plain) and len(plain) >= 3
-
-
-def test_uniform_noise_drafts_over_sse(server):
-    base = dict(model="gemma", prompt="noise", max_tokens=32, seed=4, logprobs=0, stream=True, ignore_eos=True)
-    fixed = {"max_denoising_steps": 4, "confidence_threshold": 0}
-    drafts, chunks = raw_stream(server, "g", dict(base, diffusion=dict(fixed, stream_drafts=True, draft_every=2)))
-    _, plain = raw_stream(server, "g", dict(base, diffusion=fixed))
-    strip = lambda cs: [ch["choices"] for ch in cs]  # noqa: E731
-    assert strip(chunks) == strip(plain)
-    committed = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
-    assert [(d["offset"], d["step"]) for d in drafts] == [(0, 2), (0, 4), (16, 2), (16, 4)]
-    for d in drafts:  # no mask token: the argmax canvas, every position shown; `known` = accepted
-        assert None not in d["tokens"] and PLACEHOLDER not in d["text"] and any(d["known"])
-        if d["step"] == 4:  # the converged step: the canvas the commit emits
-            assert d["cells"] == committed[d["offset"]:d["offset"] + 16]
 
 
 @pytest.mark.parametrize("diffusion,extra,param", [
