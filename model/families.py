@@ -64,5 +64,6 @@ FAMILIES: dict[str, Family] = {
         constrained_modes=("diffusion", "ar")),
     "diffusion_gemma": Family(
         "diffusion-gemma", "DiffusionGemma", DiffusionGemmaConfig, "model.diffusion_gemma:DiffusionGemmaForBlockDiffusion",
-        "model.steps.renoise:RenoiseCanvasStep", modes=("diffusion",), uniform_noise=True),
+        "model.steps.renoise:RenoiseCanvasStep", modes=("diffusion",), uniform_noise=True,
+        constrained_modes=("diffusion",)),
 }

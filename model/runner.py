@@ -92,6 +92,8 @@ class Runner:
         renoise = (renoise_defaults or RenoiseDefaults()) if self.family.uniform_noise else None
         self.canvas_step = self.family.resolve(self.family.canvas_step)(self.env, *((renoise,) if renoise else ()))
         self.causal = CausalSteps(self.env, self.canvas_step)
+        if self.family.uniform_noise:   # what the grammar checks of a uniform-noise canvas: its argmax
+            self.grammar.argmax = self.canvas_step.prev_argmax
         # each slot's steps_limit, and the bound on its remaining steps reported with every command's events
         self.budget = self.family.step_budget(self.C, renoise)
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs

@@ -138,6 +138,11 @@ class SlotTable:
         # limits (-1: none), and its allowed tokens, a bit each of the whole vocabulary
         self.grammar_pos = torch.full((S,), -1, dtype=torch.int64, device=dev)
         self.grammar_bits = torch.full((S, -(-vocab_size // 32)), -1, dtype=torch.int32, device=dev)
+        # uniform-noise canvases only: the positions of the argmax canvas the host found valid (-1: no grammar),
+        # whether those make the whole text (the canvas may converge), and tokens pinned past N (-1: none)
+        self.grammar_valid = torch.full((S,), -1, dtype=torch.int64, device=dev)
+        self.grammar_done = torch.zeros(S, dtype=torch.bool, device=dev)
+        self.grammar_fixed = torch.full((S, C), -1, dtype=torch.int64, device=dev)
         self.phase[self.pad] = DONE
         self.info: dict[int, SlotInfo] = {}
         # the host's copy of the device state, as of the end of the last command

@@ -154,7 +154,9 @@ def test_cuda_ar_rows_ride_in_the_canvas_graphs(tiny_nemotron):
     canvas = [DecodeParams(temperature=0.7, seed=3, max_tokens=64, ignore_eos=True, logprobs=1),
               DecodeParams(mode="linear_spec", max_tokens=40, ignore_eos=True)]
     prompts = [[1, 300, 301, 302], [1] + list(range(400, 440)), [1, 7, 8], [1, 9, 9, 9]]
-    with Engine(tiny_nemotron, num_slots=4, max_model_len=256, device="cuda", dtype="float32") as e:
+    # no prefix caching: the second run's prompts would then start past position 0, whose prefills run eagerly
+    with Engine(tiny_nemotron, num_slots=4, max_model_len=256, device="cuda", dtype="float32",
+                enable_prefix_caching=False) as e:
         runner = e.shards.runner
         runner.warm_up()
         captured = runner.graphs.captured
@@ -342,7 +344,9 @@ def test_cuda_graphed_prefill_equals_eager(family, tiny_nemotron, tiny_gemma):
     params = DecodeParams(seed=3, max_tokens=32, ignore_eos=True, logprobs=2)
 
     def rounds(graphs: bool, n: int):
-        with Engine(model_dir, num_slots=4, max_model_len=256, device="cuda", dtype="float32") as e:
+        # no prefix caching: a round's prompts would then be cached prefixes, whose prefills run eagerly
+        with Engine(model_dir, num_slots=4, max_model_len=256, device="cuda", dtype="float32",
+                    enable_prefix_caching=False) as e:
             runner = e.shards.runner
             if not graphs:
                 runner.graphs = None
@@ -487,6 +491,8 @@ def test_the_kv_pool_is_sized_from_gpu_memory(family, tiny_nemotron, tiny_gemma)
     probe = ([1] + list(range(101, 141)), DecodeParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1))
     with Engine(model_dir, num_slots=4, max_model_len=512, device="cuda", dtype="bfloat16") as e:
         expected = served.generate(e, [probe[0]], [probe[1]])[0]
+    gc.collect()
+    torch.cuda.empty_cache()   # what that engine's allocator cached is free for the next, as size_pool frees it
     free, total = torch.cuda.mem_get_info()
     with Engine(model_dir, num_slots=4, max_model_len=512, device="cuda", dtype="bfloat16",
                 gpu_memory_utilization=0.25) as e:

@@ -624,8 +624,14 @@ def test_structured_output_errors_name_the_field(server):
         c.completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body={
             "structured_outputs": {"regex": "a+"}, "diffusion": {"mode": "linear_spec"}})
     assert err.value.body["param"] == "structured_outputs.regex" and "linear_spec" in err.value.body["message"]
+
+
+def test_diffusion_gemma_structured_output_over_http(server):
+    import jsonschema
+
     gemma = openai.OpenAI(base_url=f"http://127.0.0.1:{server}/gemma/v1", api_key="x", max_retries=0, timeout=60)
-    with pytest.raises(openai.BadRequestError) as err:
-        gemma.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
-                                      response_format={"type": "json_object"})
-    assert err.value.body["param"] == "response_format" and "DiffusionGemma" in err.value.body["message"]
+    r = gemma.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "A person"}], seed=3,
+                                      max_tokens=48, temperature=1.0, response_format={
+                                          "type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)

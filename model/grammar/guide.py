@@ -40,10 +40,11 @@ class SlotGrammar:
         self.ended = False               # the grammar took an EOS: only EOS may follow (ignore_eos)
 
     def valid_prefix(self, tokens: list[int]) -> int:
-        """How many of `tokens` (after the committed text) the grammar takes; past an EOS it accepted,
-        only EOS."""
-        v = 0 if self.ended else self.matcher.validate_tokens(tokens)
-        if not self.ended and not (v and tokens[v - 1] in self.eos):
+        """How many of `tokens` (after the committed text) the grammar takes; once the grammar is complete
+        (an EOS taken, or a matcher that takes nothing more), only EOS."""
+        complete = self.ended or self.matcher.is_stopped()   # a stopped matcher validates no EOS itself
+        v = 0 if complete else self.matcher.validate_tokens(tokens)
+        if not complete and not (v and tokens[v - 1] in self.eos):
             return v
         while v < len(tokens) and tokens[v] in self.eos:
             v += 1
@@ -56,10 +57,9 @@ class SlotGrammar:
     def commit(self, tokens: list[int]) -> None:
         """The slot emitted `tokens` (valid: checked before): the matcher moves past them."""
         for x in tokens:
-            if self.ended:
-                continue
-            self.matcher.consume_token(x)
-            self.ended = x in self.eos
+            self.ended = self.ended or x in self.eos
+            if not self.ended:
+                self.matcher.consume_token(x)
 
     def mask_after(self, prefix: list[int], out: np.ndarray) -> None:
         """The tokens the grammar allows after `prefix` (valid), as bits into out [words]."""
@@ -88,6 +88,8 @@ class GrammarGuide:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self.active: dict[int, SlotGrammar] = {}
+        # uniform-noise canvases (DiffusionGemma): each slot's argmax canvas, the text a converging step emits
+        self.argmax: torch.Tensor | None = None
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         if self.load_tokenizer is None:
@@ -116,7 +118,10 @@ class GrammarGuide:
     def release(self, slots: list[int]) -> None:
         gone = [s for s in slots if self.active.pop(s, None) is not None]
         if gone:
-            self.t.grammar_pos[self.t.device_index(gone)] = -1
+            idx = self.t.device_index(gone)
+            self.t.grammar_pos[idx] = -1
+            self.t.grammar_valid[idx] = -1
+            self.t.grammar_fixed[idx] = -1
 
     def check(self, slots: list[int]) -> None:
         """Before a step over rows `slots`: each constrained one's text as the last step left it, checked;
@@ -124,6 +129,9 @@ class GrammarGuide:
         state to the host and one back: a step with constrained rows waits for the host)."""
         mine = [s for s in slots if s in self.active]
         if not mine:
+            return
+        if self.argmax is not None:
+            self._check_uniform(mine)
             return
         t, C = self.t, self.t.C
         idx = t.device_index(mine)
@@ -164,6 +172,47 @@ class GrammarGuide:
         dev = t.device
         t.phase.index_copy_(0, idx, torch.tensor(phases, dtype=torch.int64).to(dev))
         t.canvas.index_copy_(0, idx, torch.tensor(canvases, dtype=torch.int64).to(dev))
+
+    def _check_uniform(self, mine: list[int]) -> None:
+        """Uniform-noise canvases (DiffusionGemma): every position holds a token at every step, so the check
+        reads the argmax canvas, the text a converging step would emit. Its valid run from position 0 is
+        counted; the position after it (the frontier) is limited to the grammar's tokens; the canvas may
+        converge only once the run is the whole text and the step keeps it. From the canvas's N-th step on,
+        the valid run is pinned, so the frontier moves right every step and the canvas ends within C more."""
+        t, C = self.t, self.t.C
+        idx = t.device_index(mine)
+        state = torch.cat([torch.stack([t.phase[idx], t.length[idx], t.n[idx], t.steps_limit[idx]], 1),
+                           self.argmax[idx]], 1).tolist()
+        pos, valid, done = [], [], []
+        fixed = np.full((len(mine), C), -1, dtype=np.int64)
+        bits = np.zeros((len(mine), self.words), dtype=np.int32)
+        for row, (s, (phase, length, n, N, *argmax)) in enumerate(zip(mine, state)):
+            g = self.active[s]
+            if g.length is not None and length > g.length:   # the canvas checked last was committed
+                g.commit(g.canvas)
+            g.length = length
+            p, v, complete = -1, 0, False
+            if phase == DENOISE and argmax[0] >= 0:   # a fresh canvas has no argmax yet: nothing is valid
+                v = g.valid_prefix(argmax)
+                complete = v == C or g.ends_within(argmax[:v])
+                if complete and v < C:   # the text ends at an EOS: the rest is never emitted
+                    v = next(i for i, x in enumerate(argmax[:v]) if x in self.eos) + 1
+            elif phase == COMMIT:
+                v, complete = C, True
+            if phase == DENOISE and not complete:
+                p = v
+                g.mask_after(argmax[:v], bits[row])
+            if phase == DENOISE and n + 1 >= N:   # past N: the valid run stays
+                fixed[row, :v] = argmax[:v]
+            g.canvas = argmax
+            pos.append(p)
+            valid.append(v)
+            done.append(complete)
+        self._write(mine, pos, bits)
+        dev = t.device
+        t.grammar_valid.index_copy_(0, idx, torch.tensor(valid, dtype=torch.int64).to(dev))
+        t.grammar_done.index_copy_(0, idx, torch.tensor(done, dtype=torch.bool).to(dev))
+        t.grammar_fixed.index_copy_(0, idx, torch.from_numpy(fixed).to(dev))
 
     def _write(self, slots: list[int], pos: list[int], bits: np.ndarray) -> None:
         t = self.t

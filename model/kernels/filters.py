@@ -44,12 +44,18 @@ def tanh(y, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def capped(u, softcap, inv_softcap, INTERPRETED: tl.constexpr):
+    """softcap * tanh(u / softcap), -inf kept (a token a grammar refuses stays impossible, docs/spec.md 12)."""
+    return tl.where(u == -float("inf"), u, tanh(u * inv_softcap, INTERPRETED) * softcap)
+
+
+@triton.jit
 def decided_value(x, t_eff, softcap, inv_softcap, HAS_SOFTCAP: tl.constexpr, ON_SCALED: tl.constexpr,
                   INTERPRETED: tl.constexpr):
     """The value a filter is decided on, of raw logits x (fp32): softcap(x) [/ T]."""
     u = x
     if HAS_SOFTCAP:
-        u = tanh(u * inv_softcap, INTERPRETED) * softcap
+        u = capped(u, softcap, inv_softcap, INTERPRETED)
     if ON_SCALED:
         u = tl.div_rn(u, t_eff)
     return u

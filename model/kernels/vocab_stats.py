@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.filters import softcap_operands, tanh, triton_threshold
+from model.kernels.filters import capped, softcap_operands, triton_threshold
 from model.kernels.launch import INTERPRETED
 from model.sampling.noise import STREAM_GUMBEL
 from model.sampling.stats import NUM_SUMS, VocabPasses, encode_keys
@@ -88,7 +88,7 @@ def _vocab_stats_kernel(x_ptr, temp_ptr, seed_ptr, counter_ptr, thr_ptr, keys_pt
         inside = cols < V
         u = tl.load(row_ptr + cols, mask=inside, other=-float("inf")).to(tl.float32)
         if HAS_SOFTCAP:
-            u = tl.where(inside, tanh(u * inv_softcap, INTERPRETED) * softcap, u)
+            u = tl.where(inside, capped(u, softcap, inv_softcap, INTERPRETED), u)
         s = tl.div_rn(u, t_eff)
         if HAS_THR:
             if THR_ON_SCALED:
@@ -186,7 +186,7 @@ def _probabilities_kernel(x_ptr, temp_ptr, thr_ptr, norm_ptr, out_ptr, P, V, sof
     offset = n.to(tl.int64) * V
     u = tl.load(x_ptr + offset + cols, mask=inside, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        u = tanh(u * inv_softcap, INTERPRETED) * softcap
+        u = capped(u, softcap, inv_softcap, INTERPRETED)
     s = tl.div_rn(u, t_eff)
     if HAS_THR:
         thr = tl.load(thr_ptr + n)

@@ -37,7 +37,8 @@ def _rows(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def _softcap(u: torch.Tensor, cap: float | None) -> torch.Tensor:
     # times 1 / cap, not / cap: what torch's CUDA division by a Python scalar computes anyway (its CPU
     # division rounds otherwise), and what the triton passes compute, so every device and path agrees
-    return u if cap is None else torch.tanh(u * (1.0 / cap)) * cap
+    # -inf stays -inf: a token a grammar refuses (docs/spec.md 12) stays impossible past the cap
+    return u if cap is None else torch.where(u == -torch.inf, u, torch.tanh(u * (1.0 / cap)) * cap)
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:

@@ -81,7 +81,7 @@ class RenoiseCanvasStep:
         r, t, C = self.env, self.env.slots, self.env.C
         length, canvas, n = t.length[idx], t.canvas[idx], t.n[idx]
         hidden = r.forward(idx, canvas, length, C, t.phase[idx] == COMMIT, plan.kv_len, soft=self.soft[idx])
-        x = r.logits(hidden)
+        x = r.logits(hidden, idx)   # a constrained row's frontier: its grammar's tokens only
         threshold = r.sampler.threshold(x, idx, plan) if plan.filters else None
         step = RN.renoise_step(
             x, n=n, steps=t.steps_limit[idx], t_min=self.t_min[idx], t_max=self.t_max[idx],
@@ -94,12 +94,28 @@ class RenoiseCanvasStep:
         scores = None
         if plan.scored:   # the converged step's distribution scores the committed argmax tokens (docs/spec.md 6):
             # only a row converging now keeps its scores, so only those read the vocabulary for them
-            x_tok = value_at(x[scored], step.argmax[scored], r.model.vocab_start, r.tp)
+            fixed = t.grammar_fixed[idx]   # a pinned position emits its pin (docs/spec.md 12): scored as that
+            x_tok = value_at(x[scored], torch.where(fixed >= 0, fixed, step.argmax)[scored], r.model.vocab_start, r.tp)
             scores = r.sampler.scores(x, step.stats, x_tok, scored, plan.top_logprobs, idx,
                                       needed=step.converged[scored])
         soft = r.model.soft_embedding(step.probs) if self.self_conditioning else None
         self.update(plan, idx, scored, step, scores, soft)
         r.observe("after", "canvas", idx)
+
+    def _grammar(self, idx: torch.Tensor, step: RN.RenoiseStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A constrained row's argmax and next canvas with its pinned tokens, and whether it may converge: only
+        once the host found its argmax canvas a whole valid text, and this step kept that canvas where valid
+        (docs/spec.md 12). An unconstrained row's are the sampler's."""
+        t, C = self.env.slots, self.env.C
+        fixed = t.grammar_fixed[idx]
+        pinned = fixed >= 0
+        argmax = torch.where(pinned, fixed, step.argmax)
+        sampled = torch.where(pinned, fixed, step.canvas)
+        valid = t.grammar_valid[idx]
+        checked = torch.arange(C, device=idx.device) < valid[:, None]
+        kept = ((argmax == self.prev_argmax[idx]) | ~checked).all(-1)
+        may = (valid < 0) | (t.grammar_done[idx] & kept)
+        return argmax, sampled, step.converged & may
 
     def _update(self, plan: RowPlan, idx: torch.Tensor, scored: torch.Tensor, step: RN.RenoiseStep,
                 scores: Scores | None, soft: torch.Tensor | None) -> None:
@@ -109,17 +125,18 @@ class RenoiseCanvasStep:
         phase, length, canvas, n = t.phase[idx], t.length[idx], t.canvas[idx], t.n[idx]
         is_denoise, is_commit = phase == DENOISE, phase == COMMIT
         live = phase != DONE
-        converged = step.converged & is_denoise
+        argmax, sampled, converged = self._grammar(idx, step)
+        converged = converged & is_denoise
         if scores is not None:
             t.canvas_scores.write(idx[scored], converged[scored][:, None].expand(-1, C), scores)
         # a converged canvas that ends the request emits now (it skips its commit); commit rows emit
         # the canvas their last denoise step put in place
         max_tokens, stops_at_eos = t.max_tokens[idx], ~t.ignore_eos[idx]
         whole = torch.full_like(n, C)
-        ends = (t.emitted[idx] + C >= max_tokens) | (contains_eos(step.argmax, whole, r.eos) & stops_at_eos)
+        ends = (t.emitted[idx] + C >= max_tokens) | (contains_eos(argmax, whole, r.eos) & stops_at_eos)
         final = converged & ends
         emitting = is_commit | final
-        out = torch.where(final[:, None], step.argmax, canvas)
+        out = torch.where(final[:, None], argmax, canvas)
         count = torch.where(emitting, C, 0)
         emitted = t.emitted[idx] + count
         stop = (emitted >= max_tokens) | (contains_eos(out, count, r.eos) & stops_at_eos)
@@ -127,15 +144,15 @@ class RenoiseCanvasStep:
         r.outputs.emit(idx, out, count, emitting.long(), torch.where(is_commit, n, torch.where(final, n + 1, 0)),
                        block_scores, scored)
 
-        denoised = torch.where(converged[:, None], step.argmax, step.canvas)
+        denoised = torch.where(converged[:, None], argmax, sampled)
         t.canvas[idx] = torch.where(is_denoise[:, None], denoised, canvas)
-        self.prev_argmax[idx] = torch.where(is_denoise[:, None], step.argmax, self.prev_argmax[idx])
+        self.prev_argmax[idx] = torch.where(is_denoise[:, None], argmax, self.prev_argmax[idx])
         self.run[idx] = torch.where(is_denoise, step.run, self.run[idx])
         if soft is not None:
             self.soft[idx] = torch.where(is_denoise[:, None, None], soft.to(self.soft.dtype), self.soft[idx])
         t.n[idx] = torch.where(is_denoise, n + 1, n)
         if plan.drafting:  # the argmax canvas (the sampled one is partly noise), accepted positions known
-            r.drafts.record(idx, step.argmax, step.accepted, n + 1, is_denoise, length)
+            r.drafts.record(idx, argmax, step.accepted, n + 1, is_denoise, length)
         t.phase[idx] = torch.where(converged & ~final, COMMIT, torch.where(emitting & stop, DONE, phase))
         t.length[idx] = length + torch.where(is_commit, C, 0)   # a commit's forward wrote the canvas's KV
         t.emitted[idx] = emitted
