@@ -3,6 +3,7 @@ the real `openai` client; DiffusionGemma's are tests/test_http.py's, on its app 
 settings), the playground page in headless Chromium, and the Prometheus metrics moving by exactly what a
 known amount of traffic adds."""
 import concurrent.futures as cf
+import json
 import os
 import re
 import signal
@@ -211,6 +212,33 @@ def test_playground_draws_the_canvas_filling_in(server, browser, tmp_path):
     replayed = tmp_path / "playground-replay.png"
     page.screenshot(path=str(replayed), full_page=True)
     assert replayed.stat().st_size > 10_000
+    page.close()
+
+
+def test_playground_sends_a_schema_and_shows_the_constrained_canvas(server, browser):
+    """A schema in the playground constrains its request (the answer validates, as the API's does) while the
+    canvas draws; a schema that is not JSON is an error on the page, not a request."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 4}}, "required": ["k"],
+              "additionalProperties": False}
+    page = browser.new_page(viewport={"width": 1200, "height": 620})
+    page.goto(f"{server}/n/playground")
+    page.wait_for_function("document.getElementById('model').textContent.startsWith('tiny')", timeout=30_000)
+    for selector, value in {"#prompt": "A key:", "#max_tokens": "32", "#temperature": "1", "#seed": "3",
+                            "#draft_every": "1", "#schema": json.dumps(schema)}.items():
+        page.fill(selector, value)
+    page.click("#go")
+    page.wait_for_function("['done', 'error'].includes(document.getElementById('status').dataset.state)",
+                           timeout=120_000)
+    assert page.inner_text("#status") == "done"
+    text = page.evaluate("document.getElementById('text').textContent")
+    jsonschema.validate(json.loads(text), schema)
+    assert page.evaluate("window.dllmPlayground.drafts.length") > 0
+    page.fill("#schema", "{not json")
+    page.click("#go")
+    page.wait_for_function("document.getElementById('status').dataset.state === 'error'", timeout=30_000)
+    assert "not JSON" in page.inner_text("#status")
     page.close()
 
 

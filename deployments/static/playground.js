@@ -175,6 +175,12 @@ function requestBody(chat) {
   const body = { model: state.model, temperature: Number($("temperature").value), stream: true,
                  stream_options: { include_usage: true }, ignore_eos: $("ignore_eos").checked, diffusion };
   if ($("seed").value) body.seed = Number($("seed").value);
+  const schema = $("schema").value.trim();
+  if (schema) {
+    let parsed;
+    try { parsed = JSON.parse(schema); } catch (err) { throw new Error(`the JSON schema is not JSON: ${err.message}`); }
+    body.response_format = { type: "json_schema", json_schema: { name: "playground", schema: parsed } };
+  }
   const n = Number($("max_tokens").value) || 64;
   if (chat) Object.assign(body, { messages: [{ role: "user", content: $("prompt").value }], max_completion_tokens: n,
                                   logprobs: true });
@@ -218,8 +224,9 @@ async function generate(event) {
   setStatus("running…", "running");
   state.started = performance.now();
   try {
+    const body = requestBody(chat);
     const r = await fetch(chat ? "v1/chat/completions" : "v1/completions", {
-      method: "POST", headers: headers(), body: JSON.stringify(requestBody(chat)), signal: state.controller.signal });
+      method: "POST", headers: headers(), body: JSON.stringify(body), signal: state.controller.signal });
     if (!r.ok) {
       const err = await r.json().catch(() => ({}));
       throw new Error(err.error ? `${r.status}: ${err.error.message}` : `HTTP ${r.status}`);
