@@ -254,6 +254,10 @@ BAD = [
      400, "structured_outputs.grammar"),
     ("structured_outputs json not JSON", C, OK | {"structured_outputs": {"json": "{nope"}}, None, 400,
      "structured_outputs.json"),
+    ("a schema over the grammar's size limit", CHAT, OK_CHAT | {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {f"p{i}": {"type": "object", "properties": {
+            f"q{j}": {"type": "string", "pattern": "[a-z]{3,9}"} for j in range(40)}} for i in range(200)}}}}}, None,
+     400, "response_format.json_schema.schema"),
     ("structured_outputs an empty choice", C, OK | {"structured_outputs": {"choice": []}}, None, 400,
      "structured_outputs.choice"),
     ("response_format a string", CHAT, OK_CHAT | {"response_format": "text"}, None, 400, "response_format"),
