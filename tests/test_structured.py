@@ -296,3 +296,50 @@ def test_cuda_graphs_constrain_and_keep_the_neighbours_bits(family, tiny_nemotro
     for r in done[1:]:
         check(r, g, toks, json_valid)
 
+
+
+def test_the_ingress_compiles_off_the_loop_within_a_bound_and_caches(tiny_nemotron, monkeypatch):
+    """deployments/structured.py: a grammar is checked once per value (the second request is a dict lookup,
+    errors too), and one that takes longer than the bound is a 400 naming its field, the loop answering
+    meanwhile."""
+    import asyncio
+    import time
+
+    from deployments import structured
+
+    calls = []
+
+    def slow_check(req, tokenizer):
+        calls.append(req.kind)
+        if req.kind == "regex":
+            time.sleep(0.5)
+        return check_grammar(req, tokenizer)
+
+    monkeypatch.setattr(structured, "check_grammar", slow_check)
+    compiler = structured.GrammarCompiler(Checkpoint.read(str(tiny_nemotron)), timeout_s=0.2)
+
+    async def scenario():
+        g1 = await compiler.compile(GrammarRequest("json_schema", SCHEMA, "response_format"))
+        g2 = await compiler.compile(GrammarRequest("json_schema", dict(reversed(SCHEMA.items())), "response_format"))
+        assert g1 == g2 and calls == ["json_schema"]
+        for _ in range(2):
+            with pytest.raises(ParamError) as err:
+                await compiler.compile(GrammarRequest("json_schema", {"type": "strin"}, "structured_outputs.json"))
+            assert err.value.param == "structured_outputs.json"
+        assert calls == ["json_schema", "json_schema"]
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        with pytest.raises(ParamError) as err:
+            await compiler.compile(GrammarRequest("regex", "a+", "structured_outputs.regex"))
+        ticker.cancel()
+        assert err.value.param == "structured_outputs.regex" and "took over 0.2 s" in err.value.message
+        assert ticks >= 5   # the event loop ran while the grammar compiled
+
+    asyncio.run(scenario())
