@@ -98,7 +98,8 @@ except KeyboardInterrupt:
     pass
 other = threading.Thread(target=logging.getLogger, args=("x",), daemon=True)
 other.start()
-other.join(5)
+# free, it returns in well under a millisecond; held, it never does (the held case waits all of this)
+other.join(2)
 print("held" if other.is_alive() else "free", caught)
 """
 
