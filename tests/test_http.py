@@ -424,8 +424,8 @@ def test_openai_defaults_at_their_no_op_values_are_accepted(server):
         c.chat.completions.create(presence_penalty=0.5, **kw)
     assert err.value.body["param"] == "presence_penalty" and "in parallel" in err.value.body["message"]
     with pytest.raises(openai.BadRequestError) as err:
-        c.chat.completions.create(tools=[{"type": "function", "function": {"name": "f"}}], **kw)
-    assert err.value.body["param"] == "tools"
+        c.chat.completions.create(functions=[{"name": "f"}], **kw)
+    assert err.value.body["param"] == "functions" and "use tools" in err.value.body["message"]
 
 
 # ---- n, prompt lists, /tokenize and /detokenize, DiffusionGemma's temperature ------------------------

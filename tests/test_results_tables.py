@@ -7,7 +7,8 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from benchmarks import cache_bench, kv_capacity, prefix_lookup_bench, results, roofline, serve_bench, step_bound, traffic
+from benchmarks import (cache_bench, grammar_steps, kv_capacity, prefix_lookup_bench, results, roofline, serve_bench,
+                        step_bound, traffic)
 from benchmarks.bench_stats import RequestResult, summarize
 from benchmarks.result_tables import TABLES
 from benchmarks.results import Result, Row, Table
@@ -192,5 +193,6 @@ def test_every_figure_a_table_names_is_one_a_benchmark_writes(tmp_path, monkeypa
     monkeypatch.setattr(kv_capacity, "fits", lambda family, n, *a: {
         f"kv_capacity.{family}.{n}.{k}": 1.0 for k in ("slots", "paged", "ratio", "full_pages")})
     written |= set(kv_capacity.main([]))
+    written |= set(grammar_steps.measure(grammar_steps.DEFAULT_MODEL, requests=1, max_tokens=8))
     named = {k for table in TABLES.values() for row in table.rows for k in row.keys}
     assert {k for k in named if not any(b in k for b in BACKFILLED)} <= written
