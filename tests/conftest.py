@@ -19,13 +19,39 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpreted"]
 INTERPRETED_RUN = Path(__file__).with_name("test_interpreted_kernels.py")
 _interpreted_run = None   # that test's module, once the session's first test has started its subprocess
+BESIDE_RUN = Path(__file__).with_name("test_beside.py")
+_beside_run = None        # that test's module, where it was handed tests to run beside the session
 
 
+def _hand_beside(config, items) -> None:
+    """The selected tests of test_beside.MODULES leave the session for the run beside it, where its test is
+    selected, on a machine without a GPU (tests/test_beside.py). A run beside the session runs exactly the
+    tests it was handed."""
+    global _beside_run
+    ids = os.environ.get("DLLM_BESIDE_IDS")
+    if ids:
+        handed = set(Path(ids).read_text().splitlines())
+        items[:] = [item for item in items if item.nodeid in handed]
+        return
+    beside = next((item for item in items if item.path == BESIDE_RUN), None)
+    if beside is None or config.option.collectonly or torch.cuda.is_available():
+        return
+    module = beside.module
+    module.node_ids = [item.nodeid for item in items if item.path.name in module.MODULES]
+    if module.node_ids:
+        items[:] = [item for item in items if item.path.name not in module.MODULES]
+        _beside_run = module
+
+
+@pytest.hookimpl(trylast=True)   # after `-m` deselects (pyproject's addopts): only selected tests go beside
 def pytest_collection_modifyitems(config, items):
-    # The modules on the session's shared Ray + Serve (tests/serve_harness.py) run last but one, in their
-    # order; last, the test awaiting the triton-interpreter tests' subprocess, which starts with the
-    # session and runs in the background meanwhile
-    items.sort(key=lambda item: (item.path == INTERPRETED_RUN, "shared_serve" in item.keywords))
+    _hand_beside(config, items)
+    # The modules on the session's shared Ray + Serve (tests/serve_harness.py) run last but two, in their
+    # order; then the test awaiting the run beside the session (tests/test_beside.py); last, the test
+    # awaiting the triton-interpreter tests' subprocess, which starts with the session and runs in the
+    # background meanwhile
+    items.sort(key=lambda item: (item.path == INTERPRETED_RUN, item.path == BESIDE_RUN,
+                                 "shared_serve" in item.keywords))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -45,11 +71,16 @@ def pytest_runtest_setup(item):
                 _interpreted_run = other.module
                 _interpreted_run.start_ahead()
                 break
+        if _beside_run:   # after the interpreter's run: the two take turns at the core the session leaves idle
+            run = getattr(_interpreted_run, "_run", None) if _interpreted_run else None
+            _beside_run.start_ahead(run[0].pid if run else None)
 
 
 def pytest_sessionfinish(session, exitstatus):
     if _interpreted_run:
         _interpreted_run.stop_ahead()   # a session stopped before its test awaited it
+    if _beside_run:
+        _beside_run.stop_ahead()
     harness = sys.modules.get("tests.serve_harness")   # imported by a module that served (it imports ray:
     if harness is not None:                            # the GPU host runs kernel tests without Ray)
         harness.stop_shared_serve()
