@@ -2,10 +2,12 @@
 
     python -m benchmarks.grammar_steps [--model DIR] [--requests 8] [--max-tokens 64] [--save-result]
 
-For the default model (which writes words) and each way it decodes (diffusion under each reveal policy, AR),
+For the default model (which writes words) and each way it decodes (diffusion under each reveal policy, AR,
+linear speculation),
 `--requests` requests at once with a JSON schema and the same requests without (greedy where the schema lets
 the model choose; 8 denoising steps a canvas, where the policy follows N): tokens a denoising step (AR: a
-token a step by definition, so only its time), and milliseconds a committed token. Then the batch-isolation
+token a step by definition, so only its time; linear speculation: tokens a verify), and milliseconds a
+committed token. Then the batch-isolation
 cost: unconstrained requests' committed tok/s beside constrained neighbours over beside the same neighbours
 unconstrained (the target on a GPU: >= 0.95). On a CPU the step's compute dominates the host's checks; the
 GPU rows come from the served seed workload with a schema (`make bench`).
@@ -33,7 +35,7 @@ PROMPTS = ("Return the number of items in the", "Explain os.path.join.", "What d
            "Open the file and", "Tell me about collections.OrderedDict, please.", "Split the string at",
            "Raise an error if the", "How do I use itertools.chain?")
 WAYS = (("diffusion", "threshold"), ("diffusion", "low_confidence"), ("diffusion", "leftmost"),
-        ("diffusion", "entropy_bound"), ("ar", "threshold"))
+        ("diffusion", "entropy_bound"), ("ar", "threshold"), ("linear_spec", "threshold"))
 
 
 def run(engine: Engine, prompts: list[list[int]], params: list[DecodeParams]) -> tuple[list, float]:
@@ -53,14 +55,14 @@ def measure(model_dir: Path, requests: int, max_tokens: int) -> dict[str, float]
     figures: dict[str, float] = {}
     with Engine(str(model_dir), num_slots=2 * requests, max_model_len=1024) as engine:
         for mode, policy in WAYS:
-            name = mode if mode == "ar" else policy
+            name = policy if mode == "diffusion" else mode
             for label, g in (("free", None), ("json", grammar)):
                 params = [DecodeParams(mode=mode, policy=policy, temperature=0, max_tokens=max_tokens, ignore_eos=g is None,
                                        max_denoising_steps=8, grammar=g) for _ in prompts]
                 done, seconds = run(engine, prompts, params)
                 tokens = sum(len(r.output) for r in done)
                 steps = sum(r.denoising_steps for r in done)
-                if mode != "ar":
+                if mode != "ar":   # linear speculation: a draft counts as a denoising step, so tokens a verify
                     figures[f"grammar.{name}.tokens_per_step.{label}"] = tokens / steps
                 figures[f"grammar.{name}.ms_per_token.{label}"] = 1e3 * seconds / tokens
         # batch isolation: the same unconstrained requests beside neighbours constrained or not

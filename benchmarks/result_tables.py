@@ -216,9 +216,11 @@ TABLES: dict[str, Table] = {
         *(Row(f"diffusion, {policy}: tokens a denoising step, with the schema / without",
               (f"grammar.{policy}.tokens_per_step.json", f"grammar.{policy}.tokens_per_step.free"), ".3g", card="CPU")
           for policy in ("threshold", "low_confidence", "leftmost", "entropy_bound")),
+        Row("linear_spec: tokens a verify, with the schema / without",
+            ("grammar.linear_spec.tokens_per_step.json", "grammar.linear_spec.tokens_per_step.free"), ".3g", card="CPU"),
         *(Row(f"{name}: ms a committed token, with the schema / without",
               (f"grammar.{name}.ms_per_token.json", f"grammar.{name}.ms_per_token.free"), ".3g", card="CPU")
-          for name in ("threshold", "ar")),
+          for name in ("threshold", "ar", "linear_spec")),
         Row("unconstrained requests' tok/s beside constrained neighbours / beside unconstrained ones",
             ("grammar.neighbours_tok_s_ratio",), ".3g", ">= 0.95 (GPU)", "CPU"),
     )),

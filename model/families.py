@@ -61,7 +61,7 @@ FAMILIES: dict[str, Family] = {
     "nemotron_labs_diffusion": Family(
         "nemotron-ld", "Nemotron-Labs-Diffusion", NemotronLabsDiffusionConfig, "model.nemotron_ld:NemotronLabsDiffusionModel",
         "model.steps.masked:MaskedCanvasStep", modes=("diffusion", "ar", "linear_spec"),
-        constrained_modes=("diffusion", "ar")),
+        constrained_modes=("diffusion", "ar", "linear_spec")),
     "diffusion_gemma": Family(
         "diffusion-gemma", "DiffusionGemma", DiffusionGemmaConfig, "model.diffusion_gemma:DiffusionGemmaForBlockDiffusion",
         "model.steps.renoise:RenoiseCanvasStep", modes=("diffusion",), uniform_noise=True,

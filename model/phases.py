@@ -20,11 +20,12 @@ IDLE, DENOISE, COMMIT, DRAFT, VERIFY, AR, DONE = range(7)
 class StepBudget:
     """canvas_length: C; default_canvas_steps: the family's denoising steps per canvas when a request
     sets none (DiffusionGemma's generation_config); None for masked diffusion, whose default is C.
-    The bound counts a commit step after every canvas, but DiffusionGemma's last (model/steps/renoise.py)."""
+    The bound counts a commit step after every canvas but the request's last, which is emitted when it
+    converges (its commit's forward would write KV nothing reads), unless `last_canvas_commits` and the
+    request is constrained (masked diffusion checks a converged canvas against the grammar at its commit)."""
 
     canvas_length: int
     default_canvas_steps: int | None = None
-    # uniform-noise diffusion emits the request's last canvas when it converges, without a commit step
     last_canvas_commits: bool = True
 
     def canvas_steps(self, p: DecodeParams) -> int:
@@ -55,5 +56,6 @@ class StepBudget:
         later = -(-remaining // C) - 1            # canvases after the one in progress
         current = 1 if phase == COMMIT else max(N - n, 1) + 1
         steps = current + later * (N + 1)
-        last_commit_skipped = not self.last_canvas_commits and (later > 0 or phase != COMMIT)
+        skips = not (self.last_canvas_commits and p.grammar is not None)
+        last_commit_skipped = skips and (later > 0 or phase != COMMIT)
         return steps - last_commit_skipped

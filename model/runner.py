@@ -79,7 +79,9 @@ class Runner:
         self.pool_sizing: tuple[float, int] | None = None
         self.pool_report: dict = {}
         self.prefilling: set[int] = set()   # slots whose prompt is prefilled a chunk at a time, not to its end yet
-        slots = SlotTable(num_slots, self.C, cfg.mask_token_id or 0, self.device, cfg.vocab_size)
+        # a linear speculation verify is constrained at every draft position at once (docs/spec.md 12)
+        width = self.C if "linear_spec" in self.family.constrained_modes else 1
+        slots = SlotTable(num_slots, self.C, cfg.mask_token_id or 0, self.device, cfg.vocab_size, width)
         load = None if tokenizer_dir is None else \
             (lambda: grammar_tokenizer(tokenizer_dir, cfg.vocab_size, cfg.eos_token_ids))
         self.grammar = GrammarGuide(slots, load, cfg.eos_token_ids, cfg.mask_token_id)

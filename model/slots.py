@@ -111,6 +111,8 @@ SLOT_PARAMS: dict[str, tuple[torch.dtype, Callable[[Admission], float]]] = {
     "ignore_eos": (torch.bool, lambda a: a.params.ignore_eos),
     "early_stop": (torch.bool, lambda a: a.params.eos_early_stop and not a.params.ignore_eos),
     "seed_first": (torch.bool, lambda a: a.params.seed_first_position),
+    # a grammar limits the request's text (docs/spec.md 12): its last canvas commits, checked first
+    "constrained": (torch.bool, lambda a: a.params.grammar is not None),
     # k of the top alternatives the request asked for; -1: no scores (the sampler's scored passes skip it)
     "logprobs": (torch.int64, lambda a: -1 if a.params.logprobs is None else a.params.logprobs),
 }
@@ -122,7 +124,7 @@ class SlotTable:
     keeps nothing, and in the KV cache it is the write sink's slot (model/attention.py)."""
 
     def __init__(self, num_slots: int, canvas_length: int, fill_token: int, device: torch.device,
-                 vocab_size: int = 1):
+                 vocab_size: int = 1, grammar_width: int = 1):
         S, C, dev = num_slots + 1, canvas_length, device
         self.num_slots, self.pad, self.C, self.device = num_slots, num_slots, C, dev
         zeros = lambda dtype=torch.int64: torch.zeros(S, dtype=dtype, device=dev)  # noqa: E731
@@ -134,10 +136,13 @@ class SlotTable:
         self.seed_scores = ScoreBuffer(S, 1, dev)     # linear speculation: the score of the next seed
         for name, (dtype, _) in SLOT_PARAMS.items():
             setattr(self, name, zeros(dtype))
-        # structured output (model/grammar/guide.py): the one position of a row whose candidates the grammar
-        # limits (-1: none), and its allowed tokens, a bit each of the whole vocabulary
+        # structured output (model/grammar/guide.py): the first position of a row whose candidates the grammar
+        # limits (-1: none), how many from it (a frontier: 1; a verify: every valid draft position), and their
+        # allowed tokens, a bit each of the whole vocabulary, for as many positions as the family's steps
+        # constrain at once (grammar_width: 1, or a canvas for linear speculation's verify)
         self.grammar_pos = torch.full((S,), -1, dtype=torch.int64, device=dev)
-        self.grammar_bits = torch.full((S, -(-vocab_size // 32)), -1, dtype=torch.int32, device=dev)
+        self.grammar_span = torch.ones(S, dtype=torch.int64, device=dev)
+        self.grammar_bits = torch.full((S, grammar_width, -(-vocab_size // 32)), -1, dtype=torch.int32, device=dev)
         # uniform-noise canvases only: the positions of the argmax canvas the host found valid (-1: no grammar),
         # whether those make the whole text (the canvas may converge), and tokens pinned past N (-1: none)
         self.grammar_valid = torch.full((S,), -1, dtype=torch.int64, device=dev)

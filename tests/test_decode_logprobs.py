@@ -328,6 +328,8 @@ def replay(runner, slot, params, n_tokens):
             for pos in new.nonzero().flatten().tolist():
                 t = int(step["after"][i, pos])
                 cur[pos] = (t, *expected_scores(step["logits"][i, pos], t, params, 0)[:2])
+    for t, lp, r in filter(None, cur or []):   # the last canvas: emitted as it converged, no commit after it
+        toks.append(t), lps.append(lp), ranks.append(r)
     return toks[:n_tokens], lps[:n_tokens], ranks[:n_tokens]
 
 

@@ -343,10 +343,11 @@ def test_commands_sized_by_the_slots_step_bounds():
     from model.phases import StepBudget
 
     s = make(num_slots=2, max_queue=4, max_model_len=512, max_steps_per_command=40, budget=StepBudget(C))
-    s.add("short", [1], params(max_tokens=32, max_denoising_steps=4))    # 1 canvas: 4 + 1 steps
-    s.add("long", [1], params(max_tokens=64, max_denoising_steps=8))     # 2 canvases: 2 x (8 + 1)
-    assert s.schedule().max_steps == 18
-    s.apply(Events([Block(0, body(32), 4, 1)], 18, StepCounters(), steps_left={0: 0, 1: 0}))
+    # (a request's last canvas is emitted as it converges, without a commit step)
+    s.add("short", [1], params(max_tokens=32, max_denoising_steps=4))    # 1 canvas: 4 steps
+    s.add("long", [1], params(max_tokens=64, max_denoising_steps=8))     # 2 canvases: (8 + 1) + 8
+    assert s.schedule().max_steps == 17
+    s.apply(Events([Block(0, body(32), 4, 1)], 17, StepCounters(), steps_left={0: 0, 1: 0}))
     s.add("ar", [1], params(max_tokens=3, mode="ar"))
     s.add("third", [1], params(max_tokens=200))                           # waits: both slots taken
     command = s.schedule()
@@ -373,8 +374,8 @@ def test_commands_scheduled_ahead_run_only_what_outlasts_the_commands_in_flight(
     from model.phases import StepBudget
 
     s = make(num_slots=2, max_queue=4, max_model_len=512, max_steps_per_command=8, budget=StepBudget(C))
-    s.add("a", [1], params(max_tokens=32, max_denoising_steps=4))     # 1 canvas: 4 + 1 steps
-    s.add("b", [1], params(max_tokens=64, max_denoising_steps=9))     # 2 canvases: 2 x (9 + 1)
+    s.add("a", [1], params(max_tokens=32, max_denoising_steps=4))     # 1 canvas: 4 steps
+    s.add("b", [1], params(max_tokens=64, max_denoising_steps=9))     # 2 canvases: (9 + 1) + 9
     assert s.schedule().max_steps == 8                     # a: bound 0 after it, b: 12
     s.add("c", [1], params(max_tokens=32))                 # waits for a slot: a's frees in flight
     assert s.schedule(ahead=True) is None
@@ -400,8 +401,8 @@ def test_commands_scheduled_ahead_run_only_what_outlasts_the_commands_in_flight(
     assert s.schedule().max_steps == 8                     # both slots taken: no burst can join
     assert s.schedule(ahead=True).max_steps == 8
     s.apply(Events())
-    assert s.schedule(ahead=True).max_steps == 4
-    assert s.schedule(ahead=True) is None                  # their 20 steps are all in flight
+    assert s.schedule(ahead=True).max_steps == 3
+    assert s.schedule(ahead=True) is None                  # their 19 steps are all in flight
 
 
 def test_commands_stay_short_while_a_burst_may_be_arriving():
@@ -412,7 +413,7 @@ def test_commands_stay_short_while_a_burst_may_be_arriving():
     request already waits for the slot."""
     from model.phases import StepBudget
 
-    long = params(max_tokens=256, max_denoising_steps=9)     # 8 canvases x 10 steps: outlasts everything
+    long = params(max_tokens=256, max_denoising_steps=9)     # 8 canvases of 10 steps (the last 9): outlasts everything
     s = make(num_slots=3, max_queue=4, max_model_len=512, max_steps_per_command=8, budget=StepBudget(C))
     s.add("a", [1], long)
     command = s.schedule()

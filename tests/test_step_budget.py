@@ -6,7 +6,7 @@ import random
 import pytest
 
 from model.phases import AR, COMMIT, DENOISE, DONE, DRAFT, VERIFY, StepBudget
-from model.sampling.params import DecodeParams
+from model.sampling.params import DecodeParams, Grammar
 from workers.engine import Engine
 
 
@@ -14,9 +14,13 @@ def test_bounds_by_phase():
     masked, gemma = StepBudget(32), StepBudget(256, default_canvas_steps=48, last_canvas_commits=False)
     p = DecodeParams(max_tokens=70, max_denoising_steps=8)       # 3 canvases of 32, 8 steps each
     assert masked.canvas_steps(p) == 8 and masked.canvas_steps(DecodeParams(max_tokens=1)) == 32
-    assert masked.at_admission(p) == 3 * 9
-    assert masked.left(p, DENOISE, n=5, emitted=32) == (8 - 5 + 1) + 9     # this canvas, then one more
-    assert masked.left(p, COMMIT, n=2, emitted=64) == 1                     # converged early: its commit
+    # the last canvas emits when it converges (no commit step after it), unless a grammar checks it there
+    assert masked.at_admission(p) == 3 * 9 - 1
+    assert masked.left(p, DENOISE, n=5, emitted=32) == (8 - 5 + 1) + 8     # this canvas, then one more
+    constrained = p.model_copy(update={"grammar": Grammar(text="start: /[a-z]+/")})
+    assert masked.at_admission(constrained) == 3 * 9
+    assert masked.left(constrained, DENOISE, n=5, emitted=32) == (8 - 5 + 1) + 9
+    assert masked.left(constrained, COMMIT, n=2, emitted=64) == 1           # converged early: its commit
     assert masked.left(p, DONE, n=0, emitted=64) == 0
     assert gemma.canvas_steps(DecodeParams(max_tokens=1)) == 48
     # DiffusionGemma's last canvas emits when it converges: no commit step after it

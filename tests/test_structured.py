@@ -1,6 +1,7 @@
 """Structured output on the engine (docs/spec.md 12): every output that stops parses and validates (the
 `jsonschema` library for JSON, Python's `re` for regexes), every output cut at max_tokens is a prefix the
-grammar takes (a fresh llguidance matcher), in every reveal policy and in AR mode, many seeds each, on the tiny
+grammar takes (a fresh llguidance matcher), in every reveal policy, in AR mode and in linear speculation (which
+gives constrained AR greedy's tokens), many seeds each, on the tiny
 random-weight model, which left alone writes noise, so every valid output is the constraint's doing; the
 unconstrained neighbours of constrained requests keep their tokens and logprobs; TP = 2 gives TP = 1's tokens;
 a grammar that lets text through keeps the canvas revealing several tokens a step."""
@@ -157,6 +158,7 @@ def test_neighbours_of_constrained_requests_keep_their_tokens_and_logprobs(engin
     alone = [served.generate(engine, [p], [q])[0] for p, q in probes]
     neighbours = [(prompt(400 + i), DecodeParams(mode=m, policy=pol, temperature=1.0, seed=i, max_tokens=48,
                                                  grammar=g)) for i, (m, pol) in enumerate(MODES[:3])]
+    neighbours.append((prompt(403), DecodeParams(mode="linear_spec", max_tokens=48, grammar=g)))
     batch = probes + neighbours
     rng.shuffle(batch)
     done = served.generate(engine, [p for p, _ in batch], [q for _, q in batch])
@@ -174,6 +176,8 @@ def test_tensor_parallel_constrained_equals_tp1(engine, tiny_nemotron, tokenizer
     prompts = [prompt(500 + i) for i in range(3)]
     params = [DecodeParams(mode=m, policy=p, temperature=1.0, seed=i, max_tokens=48, logprobs=0, grammar=g)
               for i, (m, p) in enumerate([MODES[0], MODES[3], MODES[4]])]
+    params.append(DecodeParams(mode="linear_spec", max_tokens=48, logprobs=0, grammar=g))
+    prompts.append(prompt(503))
     tp1 = served.generate(engine, prompts, params)
     with Engine(tiny_nemotron, tp=2, num_slots=8, max_model_len=512, enable_prefix_caching=False) as e:
         tp2 = served.generate(e, prompts, params)
@@ -203,13 +207,42 @@ def test_a_permissive_grammar_keeps_parallel_reveals():
     assert len(bound.output) / bound.denoising_steps >= 2
 
 
-def test_linear_speculation_is_refused():
-    from model.families import FAMILIES
+@pytest.mark.parametrize("kind, value, valid", [
+    ("json_schema", SCHEMA, json_valid),
+    ("regex", REGEX, lambda text: re.fullmatch(REGEX, text) or pytest.fail(text)),
+    ("grammar", LARK, lambda text: re.fullmatch(r"\(([0-9x])(,[0-9x])*\)", text) or pytest.fail(text)),
+], ids=["json_schema", "regex", "lark"])
+def test_linear_speculation_is_constrained_ar_greedy(engine, tokenizers, kind, value, valid):
+    """Linear speculation under a grammar gives AR greedy's tokens under it (each accepted token and each seed
+    is a causal prediction limited as an AR step's is), with its logprobs, and they validate."""
+    g = grammar(tokenizers, kind, value)
+    prompts = [prompt(600 + s) for s in SEEDS]
+    spec = served.generate(engine, prompts, [DecodeParams(mode="linear_spec", max_tokens=48, logprobs=1, grammar=g)
+                                             for _ in SEEDS])
+    ar = served.generate(engine, prompts, [DecodeParams(mode="ar", temperature=0, max_tokens=48, logprobs=1,
+                                                        grammar=g) for _ in SEEDS])
+    for a, b in zip(spec, ar):
+        check(a, g, tokenizers, valid)
+        assert a.output == b.output and a.finish_reason == b.finish_reason
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 
-    g = Grammar(text="{}", field="structured_outputs.regex")
-    with pytest.raises(ParamError) as err:
-        FAMILIES["nemotron_labs_diffusion"].check(DecodeParams(mode="linear_spec", grammar=g))
-    assert err.value.param == "structured_outputs.regex" and "linear_spec" in err.value.message
+
+@pytest.mark.parametrize("value", [r"(hello world, ){3}the end", r"(abc-){8}"])
+def test_a_speculative_verify_limits_every_draft_position(engine, tokenizers, value):
+    """A grammar that leaves few tokens at each position makes the draft's limited position 1 agree with the
+    verify's limited prediction at 0, so verifies accept several tokens and the next seed is a prediction
+    past position 0: unless the verify limits every position of the draft, the text leaves the grammar
+    (and constrained AR greedy's tokens) at once."""
+    g = grammar(tokenizers, "regex", value)
+    prompts = [prompt(700 + s) for s in SEEDS]
+    spec = served.generate(engine, prompts, [DecodeParams(mode="linear_spec", max_tokens=48, grammar=g)] * len(SEEDS))
+    ar = served.generate(engine, prompts, [DecodeParams(mode="ar", temperature=0, max_tokens=48, grammar=g)]
+                         * len(SEEDS))
+    for a, b in zip(spec, ar):
+        assert check(a, g, tokenizers, lambda text: re.fullmatch(value, text) or pytest.fail(text)) is not None
+        assert a.output == b.output and a.finish_reason == "stop"
+    per_verify = sum(len(r.output) for r in spec) / sum(r.denoising_steps for r in spec)
+    assert per_verify >= 1.5, per_verify
 
 
 def test_a_complete_grammar_takes_only_eos_after_it(tokenizers):
@@ -286,6 +319,8 @@ def test_cuda_graphs_constrain_and_keep_the_neighbours_bits(family, tiny_nemotro
     probe = ([bos, 600, 601], DecodeParams(temperature=1.0, seed=2, max_tokens=32, logprobs=2, ignore_eos=True))
     bound = [([bos, 610 + i], DecodeParams(mode=m, policy=p, temperature=1.0, seed=i, max_tokens=48, grammar=g))
              for i, (m, p) in enumerate(modes * 2)]
+    if family == "nemotron":   # and a verify limited at every draft position
+        bound.append(([bos, 620], DecodeParams(mode="linear_spec", max_tokens=48, grammar=g)))
     with Engine(model_dir, num_slots=8, max_model_len=256, device="cuda", dtype="bfloat16", batch_invariant=True,
                 enable_prefix_caching=False) as e:
         [alone] = served.generate(e, [probe[0]], [probe[1]])

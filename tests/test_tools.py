@@ -78,6 +78,13 @@ def test_required_and_named_choices_always_give_valid_calls(clients, fmt, parall
                                       parallel_tool_calls=False, max_completion_tokens=96)
         assert r.choices[0].finish_reason == "tool_calls"
         assert_valid_calls(r.choices[0].message, {"get_time"}, most=1)
+    # in AR mode and in linear speculation (greedy) too
+    for mode in ("ar", "linear_spec"):
+        r = c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
+                                      max_completion_tokens=96, parallel_tool_calls=parallel,
+                                      extra_body={"diffusion": {"mode": mode}})
+        assert r.choices[0].finish_reason == "tool_calls", (mode, r.choices[0])
+        assert_valid_calls(r.choices[0].message, most=None if parallel else 1)
 
 
 @pytest.mark.parametrize("fmt", ["json", "mistral"])
@@ -127,7 +134,6 @@ def test_a_conversation_sends_calls_and_their_results_back(clients):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
-    ({"tools": TOOLS, "tool_choice": "required", "extra_body": {"diffusion": {"mode": "linear_spec"}}}, "tool_choice"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
 ])
 def test_bad_tool_requests_are_400s_naming_the_field(clients, body, param):

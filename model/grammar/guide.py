@@ -7,8 +7,10 @@ samples it anew), and the position after the valid run, the frontier, is the one
 grammar limits (model/steps/env.py) and which the step reveals whatever its policy (model/steps/masked.py).
 Positions past the frontier are sampled freely and checked when the run reaches them, so a canvas reveals in
 parallel what the grammar lets through. A commit step's frontier is its last position, whose prediction
-seeds the next canvas; an AR row's is its one token. Every rank runs the same checks on the same tokens, so
-their masks agree without a collective.
+seeds the next canvas; an AR row's is its one token. A linear speculation draft's frontier is the position
+after its seed; its verify is limited at every position of the draft's valid run, so each causal prediction
+it accepts, and the next seed, is one the grammar allows. Every rank runs the same checks on the same tokens,
+so their masks agree without a collective.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from llguidance.numpy import fill_next_token_bitmask
 import torch
 
 from model.grammar.compile import parser_limits
-from model.phases import AR, COMMIT, DENOISE, DONE
+from model.phases import AR, COMMIT, DENOISE, DRAFT, VERIFY
 from model.sampling.params import DecodeParams
 from model.slots import SlotTable
 
@@ -63,18 +65,27 @@ class SlotGrammar:
 
     def mask_after(self, prefix: list[int], out: np.ndarray) -> None:
         """The tokens the grammar allows after `prefix` (valid), as bits into out [words]."""
-        done = self.ended or any(x in self.eos for x in prefix)
-        if not done:
-            self.matcher.consume_tokens(prefix)
-            fill_next_token_bitmask(self.matcher, out[None], 0)
-            self.matcher.rollback(len(prefix))
-            if self.matcher.is_error() or not out.any():
-                done = True   # nothing allowed: end the text as soon as possible
-        if done:
-            out[:] = 0
-            for e in self.eos:
-                bit = 1 << (e & 31)
-                out[e >> 5] |= bit - (1 << 32) if bit >= 1 << 31 else bit
+        self.masks_along(prefix, out[None], start=len(prefix))
+
+    def masks_along(self, tokens: list[int], out: np.ndarray, start: int = 1) -> None:
+        """out[k] [words]: the tokens the grammar allows after tokens[:start + k], for k < len(out) (tokens
+        valid)."""
+        taken = 0
+        for k in range(len(out)):
+            end = start + k
+            done = self.ended or any(x in self.eos for x in tokens[:end])
+            if not done:
+                self.matcher.consume_tokens(tokens[taken:end])
+                taken = end
+                fill_next_token_bitmask(self.matcher, out, k)
+                done = self.matcher.is_error() or not out[k].any()   # nothing allowed: end the text now
+            if done:
+                out[k] = 0
+                for e in self.eos:
+                    bit = 1 << (e & 31)
+                    out[k, e >> 5] |= bit - (1 << 32) if bit >= 1 << 31 else bit
+        if taken:
+            self.matcher.rollback(taken)
 
 
 class GrammarGuide:
@@ -84,7 +95,7 @@ class GrammarGuide:
         (None: this runner takes none)."""
         self.t, self.load_tokenizer = slots, load_tokenizer
         self.eos, self.mask_id = frozenset(eos), mask_id
-        self.words = slots.grammar_bits.shape[1]
+        self.words = slots.grammar_bits.shape[-1]
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self.active: dict[int, SlotGrammar] = {}
@@ -137,12 +148,23 @@ class GrammarGuide:
         idx = t.device_index(mine)
         state = torch.cat([torch.stack([t.phase[idx], t.length[idx], t.emitted[idx], t.last_token[idx]], 1),
                            t.canvas[idx]], 1).tolist()
-        pos, bits = [], np.zeros((len(mine), self.words), dtype=np.int32)
+        width = self.t.grammar_bits.shape[1]
+        pos, span, bits = [], [], np.zeros((len(mine), width, self.words), dtype=np.int32)
         phases, canvases = [], []
         for row, (s, (phase, length, emitted, last, *canvas)) in enumerate(zip(mine, state)):
             g = self.active[s]
-            p, prefix = -1, []
-            if phase == AR:
+            p, prefix, n = -1, [], 1
+            if phase in (DRAFT, VERIFY):
+                if emitted > g.emitted:   # the last verify emitted the head of the draft it checked
+                    g.commit(canvas[:emitted - g.emitted])
+                g.emitted = emitted
+                if phase == DRAFT:   # the draft's position 1 follows its seed (drawn under the grammar)
+                    p, prefix = 1, [last]
+                else:   # every causal prediction along the draft's valid run, the next seed's included
+                    n = g.valid_prefix(canvas)
+                    g.masks_along(canvas, bits[row, :n])
+                    p = 0 if n else -1
+            elif phase == AR:
                 if emitted > g.emitted:   # one token a step, the prefill's first
                     g.commit([last])
                 g.emitted = emitted
@@ -163,12 +185,13 @@ class GrammarGuide:
                 elif phase == COMMIT:   # a valid canvas: its commit's last prediction seeds the next canvas
                     p, prefix = C - 1, canvas
                 g.canvas = canvas
-            if p >= 0:
-                g.mask_after(prefix, bits[row])
+            if p >= 0 and phase != VERIFY:
+                g.mask_after(prefix, bits[row, 0])
             pos.append(p)
+            span.append(n)
             phases.append(phase)
             canvases.append(canvas)
-        self._write(mine, pos, bits)
+        self._write(mine, pos, bits, span)
         dev = t.device
         t.phase.index_copy_(0, idx, torch.tensor(phases, dtype=torch.int64).to(dev))
         t.canvas.index_copy_(0, idx, torch.tensor(canvases, dtype=torch.int64).to(dev))
@@ -214,8 +237,13 @@ class GrammarGuide:
         t.grammar_done.index_copy_(0, idx, torch.tensor(done, dtype=torch.bool).to(dev))
         t.grammar_fixed.index_copy_(0, idx, torch.from_numpy(fixed).to(dev))
 
-    def _write(self, slots: list[int], pos: list[int], bits: np.ndarray) -> None:
+    def _write(self, slots: list[int], pos: list[int], bits: np.ndarray, span: list[int] | None = None) -> None:
+        """Each slot's first limited position, how many from it (default 1), and their allowed tokens: bits
+        [n, words] (one position) or [n, width, words]."""
         t = self.t
         idx = t.device_index(slots)
+        span = span or [1] * len(slots)
+        bits = bits[:, None] if bits.ndim == 2 else bits[:, :max(span)]   # only the positions some row reads
         t.grammar_pos.index_copy_(0, idx, torch.tensor(pos, dtype=torch.int64).to(t.device))
-        t.grammar_bits.index_copy_(0, idx, torch.from_numpy(bits).to(t.device))
+        t.grammar_span.index_copy_(0, idx, torch.tensor(span, dtype=torch.int64).to(t.device))
+        t.grammar_bits[idx, :bits.shape[1]] = torch.from_numpy(np.ascontiguousarray(bits)).to(t.device)

@@ -85,12 +85,22 @@ class StepEnv:
         bit for bit), so constrained requests change no step's code (docs/spec.md 12)."""
         t = self.slots
         pos = t.grammar_pos[idx]
-        rows = torch.arange(x.shape[0], device=x.device)
-        col = pos.clamp(0, x.shape[1] - 1)
         ids = torch.arange(self.model.vocab_start, self.model.vocab_start + x.shape[-1], device=x.device)
-        words = t.grammar_bits[idx][:, ids >> 5]                                  # [B, V_r]
-        allowed = ((words >> (ids & 31)) & 1).bool() | (pos < 0)[:, None]
-        x[rows, col] = torch.where(allowed, x[rows, col], -torch.inf)
+        width = t.grammar_bits.shape[1]
+        if width == 1:   # one position a row: only that column is read and written
+            rows = torch.arange(x.shape[0], device=x.device)
+            col = pos.clamp(0, x.shape[1] - 1)
+            words = t.grammar_bits[idx, 0][:, ids >> 5]                                   # [B, V_r]
+            allowed = ((words >> (ids & 31)) & 1).bool() | (pos < 0)[:, None]
+            x[rows, col] = torch.where(allowed, x[rows, col], -torch.inf)
+            return
+        # positions pos .. pos + span - 1, each with its own allowed tokens (a linear speculation verify)
+        k = torch.arange(x.shape[1], device=x.device) - pos[:, None]                          # [B, W]
+        on = (pos >= 0)[:, None] & (k >= 0) & (k < t.grammar_span[idx][:, None])
+        bits = t.grammar_bits[idx]                                                         # [B, width, words]
+        words = bits.gather(1, k.clamp(0, width - 1)[..., None].expand(-1, -1, bits.shape[-1]))[..., ids >> 5]
+        allowed = ((words >> (ids & 31)) & 1).bool() | ~on[..., None]                      # [B, W, V_r]
+        x.copy_(torch.where(allowed, x, -torch.inf))
 
     def observe(self, event: str, kind: str, idx: torch.Tensor, logits: torch.Tensor | None = None) -> None:
         if self.observer is not None:

@@ -33,6 +33,14 @@ def contains_eos(tokens: torch.Tensor, count: torch.Tensor, eos: torch.Tensor) -
     return (torch.isin(tokens, eos) & (j[None, :] < count[:, None])).any(-1)
 
 
+def choose(where: torch.Tensor, a: Scores, b: Scores) -> Scores:
+    """a's scores where `where` [R, P] (broadcast over positions and alternatives), b's elsewhere."""
+    def pick(x, y):
+        return None if x is None else torch.where(where.view(*where.shape, *[1] * (x.dim() - 2)), x, y)
+    return Scores(pick(a.logprob, b.logprob), pick(a.rank, b.rank), pick(a.top_values, b.top_values),
+                  pick(a.top_ids, b.top_ids))
+
+
 class MaskedCanvasStep:
     needs_prediction = True   # a new canvas's position 0 is the preceding causal pass's prediction
     takes_ar_rows = True      # AR rows may share its forward (above)
@@ -107,6 +115,13 @@ class MaskedCanvasStep:
         # commit: the block is the canvas up to its first mask (denoising stopped at a clean EOS)
         commit_count = first_true(canvas == MASK, C)
         next_token = st.sample[:, C - 1]
+        # a converged canvas that ends the request is emitted now: its commit's forward would write KV
+        # nothing reads and predict a seed nothing uses. A constrained row's commits (the grammar checks a
+        # converged canvas before its commit, docs/spec.md 12)
+        final_count = first_true(still_masked, C)
+        final = is_denoise & converged & ~t.constrained[idx] & (
+            (t.emitted[idx] + final_count >= t.max_tokens[idx])
+            | (contains_eos(denoised, final_count, r.eos) & ~t.ignore_eos[idx]))
 
         # verify (greedy rows: the sampler's pick is the argmax)
         pred = st.sample
@@ -118,16 +133,18 @@ class MaskedCanvasStep:
         # ar: position 0's prediction is the next token
         ar_token = st.sample[:, 0]
 
-        count = torch.where(is_commit, commit_count, torch.where(is_verify, accepted, is_ar.long()))
+        count = torch.where(is_commit, commit_count, torch.where(final, final_count, torch.where(
+            is_verify, accepted, is_ar.long())))
         emitted = t.emitted[idx] + count
-        block = torch.where(is_ar[:, None], st.sample, canvas)
+        block = torch.where(is_ar[:, None], st.sample, torch.where(final[:, None], denoised, canvas))
         eos_stop = contains_eos(block, count, r.eos) & ~t.ignore_eos[idx]
         stop = (emitted >= t.max_tokens[idx]) | eos_stop
         block_scores = None
         if scores is not None:
-            block_scores = self._block_scores(idx[scored], is_commit[scored], is_ar[scored], scores, scores.k)
-        r.outputs.emit(idx, block, count, (is_commit | is_verify).long(),
-                       torch.where(is_commit, n, is_verify.long()), block_scores, scored)
+            block_scores = self._block_scores(idx[scored], is_commit[scored], final[scored], revealed[scored],
+                                              is_ar[scored], scores, scores.k)
+        r.outputs.emit(idx, block, count, (is_commit | final | is_verify).long(),
+                       torch.where(is_commit, n, torch.where(final, n + 1, is_verify.long())), block_scores, scored)
 
         # the next canvas after a commit: the prediction at position 0 if the row seeds it (docs/spec.md 3(a))
         fresh = torch.full_like(canvas, MASK)
@@ -138,10 +155,10 @@ class MaskedCanvasStep:
         if scores is not None:
             self._keep_scores(idx[scored], revealed[scored], is_commit[scored], is_verify[scored],
                               accepted[scored], scores)
-        t.phase[idx] = torch.where(is_denoise & converged, COMMIT, torch.where(
+        t.phase[idx] = torch.where(final, DONE, torch.where(is_denoise & converged, COMMIT, torch.where(
             is_commit, torch.where(stop, DONE, DENOISE), torch.where(
                 is_draft, VERIFY, torch.where(
-                    is_verify, torch.where(stop, DONE, DRAFT), torch.where(is_ar & stop, DONE, phase)))))
+                    is_verify, torch.where(stop, DONE, DRAFT), torch.where(is_ar & stop, DONE, phase))))))
         t.n[idx] = torch.where(is_denoise, n + 1, torch.where(is_commit, 0, n))
         t.length[idx] = length + torch.where(is_commit, C, torch.where(is_verify, accepted, is_ar.long()))
         t.emitted[idx] = emitted
@@ -150,16 +167,20 @@ class MaskedCanvasStep:
         if plan.drafting:
             r.drafts.record(idx, denoised, ~still_masked, n + 1, is_denoise, length)
         denoising = (is_denoise | is_draft).long().sum()
-        r.outputs.add_counters(committed_tokens=(is_commit.long() * C + is_verify.long() * accepted + is_ar.long()).sum(),
+        r.outputs.add_counters(committed_tokens=(is_commit.long() * C + final.long() * final_count
+                                                 + is_verify.long() * accepted + is_ar.long()).sum(),
                                denoising_steps=denoising, canvas_positions=denoising * C,
-                               canvases=(is_commit | is_verify).long().sum(), forwards=live.long().sum(), passes=1)
+                               canvases=(is_commit | final | is_verify).long().sum(), forwards=live.long().sum(),
+                               passes=1)
 
-    def _block_scores(self, slots: torch.Tensor, is_commit: torch.Tensor, is_ar: torch.Tensor, scores: Scores,
-                      k: int) -> Scores:
-        """A commit emits the canvas's reveal-time scores; a verify emits the seed's score, then the causal
-        scores of the draft's positions j >= 1, predicted at j - 1; an AR row its position 0's (docs/spec.md 6)."""
+    def _block_scores(self, slots: torch.Tensor, is_commit: torch.Tensor, final: torch.Tensor,
+                      revealed: torch.Tensor, is_ar: torch.Tensor, scores: Scores, k: int) -> Scores:
+        """A commit emits the canvas's reveal-time scores (a final canvas: with those of the positions this
+        step revealed); a verify emits the seed's score, then the causal scores of the draft's positions
+        j >= 1, predicted at j - 1; an AR row its position 0's (docs/spec.md 6)."""
         t = self.env.slots
-        canvas = t.canvas_scores.read(slots, k)
+        kept = t.canvas_scores.read(slots, k)
+        canvas = choose(final[:, None] & revealed, scores, kept)
         seed = t.seed_scores.read(slots, k)
 
         def shift(a, b):
@@ -167,16 +188,7 @@ class MaskedCanvasStep:
 
         verified = Scores(shift(seed.logprob, scores.logprob), shift(seed.rank, scores.rank),
                           shift(seed.top_values, scores.top_values), shift(seed.top_ids, scores.top_ids))
-
-        def pick(a, b, c):
-            if a is None:
-                return None
-            shape = (-1, *([1] * (a.dim() - 1)))
-            return torch.where(is_commit.view(shape), a, torch.where(is_ar.view(shape), c, b))
-
-        return Scores(pick(canvas.logprob, verified.logprob, scores.logprob), pick(canvas.rank, verified.rank, scores.rank),
-                      pick(canvas.top_values, verified.top_values, scores.top_values),
-                      pick(canvas.top_ids, verified.top_ids, scores.top_ids))
+        return choose((is_commit | final)[:, None], canvas, choose(is_ar[:, None], scores, verified))
 
     def _keep_scores(self, slots, revealed, is_commit, is_verify, accepted, scores: Scores) -> None:
         """Reveal-time scores: denoise rows keep those of the positions they revealed; a commit row keeps
