@@ -6,10 +6,10 @@ SGLang found its radix match taking most of its scheduler's CPU on diverse 4k-to
 #33322). Here a Scheduler over a KV pool already caching `--cached-pages` pages (written by earlier
 diverse prompts) admits diverse prompts of `--prompt-len` tokens (a common system prefix of a quarter of
 them, the rest each its own) into 8 slots, a command at a time, until each is prefilled (in chunks).
-Reported: the lookups' time (a prompt's page addresses and the longest cached run) against the time of
-every `Scheduler.schedule` call that made those commands, lookups included. The scheduler's is only part
-of a command's host time (the coordinator also reads events and streams answers), so the share of the
-whole is smaller than the one reported.
+Reported: a prompt's page addresses, hashed once as it comes (`Scheduler.add`); the lookups' time (the
+longest cached run of those addresses) against the time of every `Scheduler.schedule` call that made those
+commands, lookups included. The scheduler's is only part of a command's host time (the coordinator also
+reads events and streams answers), so the share of the whole is smaller than the one reported.
 """
 from __future__ import annotations
 
@@ -63,15 +63,17 @@ def measure(cached_pages: int, prompt_len: int, requests: int, seed: int = 0) ->
     system = [rng.randrange(10, 100_000) for _ in range(prompt_len // 4)]
     lookup, hashes = Timed(pages._lookup), Timed(kv_pages.page_hashes)
     pages._lookup, kv_pages.page_hashes = lookup, hashes
-    schedule_s, commands, admitted, hits = 0.0, 0, 0, pages.hits
+    schedule_s, add_s, commands, admitted, hits = 0.0, 0.0, 0, 0, pages.hits
     try:
         params = DecodeParams(max_tokens=64, ignore_eos=True)
         done = 0
         while done < requests:
             scheduler = Scheduler(8, 64, [0], prompt_len + 256, 32, 8, pages=pages)
-            batch = [scheduler.add(f"r{done + i}", system + [rng.randrange(10, 100_000)
-                                                            for _ in range(prompt_len - len(system))], params)
-                     for i in range(min(8, requests - done))]
+            prompts = [system + [rng.randrange(10, 100_000) for _ in range(prompt_len - len(system))]
+                       for _ in range(min(8, requests - done))]
+            start = time.perf_counter()
+            batch = [scheduler.add(f"r{done + i}", p, params) for i, p in enumerate(prompts)]
+            add_s += time.perf_counter() - start
             while any(r.slot is None or r.prefilled < len(r.prompt) for r in batch):
                 start = time.perf_counter()
                 command = scheduler.schedule()
@@ -86,13 +88,15 @@ def measure(cached_pages: int, prompt_len: int, requests: int, seed: int = 0) ->
     finally:
         kv_pages.page_hashes = hashes.fn
         del pages._lookup
-    # a prompt's addresses are hashed once, at admission (its later pages' as they are committed)
-    lookup_s = lookup.seconds + hashes.seconds
+    # a prompt's addresses are hashed once, as it comes (its later pages' as they are committed); admission
+    # looks them up
     return {"cached_pages": float(pages.pools[0].cached), "prompt_tokens": float(prompt_len),
             "requests": float(admitted), "commands": float(commands),
-            "lookup_us_per_request": 1e6 * lookup_s / admitted,
+            "address_us_per_request": 1e6 * hashes.seconds / admitted,
+            "add_us_per_request": 1e6 * add_s / admitted,
+            "lookup_us_per_request": 1e6 * lookup.seconds / admitted,
             "schedule_us_per_command": 1e6 * schedule_s / commands,
-            "lookup_share_of_schedule": lookup_s / schedule_s,
+            "lookup_share_of_schedule": lookup.seconds / schedule_s,
             "hit_tokens_per_request": (pages.hits - hits) / admitted}
 
 

@@ -206,6 +206,7 @@ TABLES: dict[str, Table] = {
         for n in (2048, 8192, 32768))),
     # docs/benchmarking.md: benchmarks/prefix_lookup_bench.py, the scheduler alone (no model)
     "prefix-lookup": Table("10k+ cached pages, 4k-token prompts", (
+        Row("a prompt's page addresses, hashed as it comes (us)", ("address_us_per_request",), ".3g", card="CPU"),
         Row("a prompt's lookup (us); the scheduler's time a command (us)",
             ("lookup_us_per_request", "schedule_us_per_command"), ".3g", card="CPU"),
         Row("the lookups' share of the scheduler's time", ("lookup_share_of_schedule",), ".3g",

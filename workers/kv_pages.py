@@ -248,13 +248,20 @@ class KVPages:
         return taken / sum(g.num_pages for g in self.groups)
 
     # ---- requests -------------------------------------------------------------------------------
-    def admit(self, request_id: str, prompt: Sequence[int], positions: int, ahead: int) -> RequestPages | None:
+    def addresses(self, prompt: Sequence[int]) -> list[bytes]:
+        """The cache addresses of a prompt's full pages (none where caching is off): hashed once, as the
+        request comes, so an admission (and a retry of one) only looks them up."""
+        return page_hashes(prompt, self.page_size, self.salt) if self.caching else []
+
+    def admit(self, request_id: str, prompt: Sequence[int], positions: int, ahead: int,
+              hashes: list[bytes] | None = None) -> RequestPages | None:
         """Takes a request whose KV spans `positions` positions: the cached pages of its prompt's longest
         cached prefix of full pages short of its last token (whose KV it computes for its prediction),
-        and a reservation of the rest; None where the pool cannot take it now."""
+        and a reservation of the rest; None where the pool cannot take it now. `hashes`: the prompt's
+        `addresses`, where already hashed."""
         assert request_id not in self.requests, request_id
         P = self.page_size
-        hashes = page_hashes(prompt, P, self.salt) if self.caching else []
+        hashes = self.addresses(prompt) if hashes is None else list(hashes)
         hit, tables = self._lookup(hashes[: (len(prompt) - 1) // P])
         need = self.pages_for(positions, ahead)
         credit = []   # per group, the hit pages its reservation need not cover

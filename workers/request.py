@@ -61,6 +61,7 @@ class Request:
     steps_left: int | None = None            # bound on the steps its slot can still run (model/phases.py)
     cached_tokens: int = 0                   # its prompt's tokens whose KV the prefix cache served
     prefilled: int = 0                       # its prompt's positions whose prefill is scheduled (chunks)
+    page_addresses: list[bytes] | None = None   # its prompt's full pages' cache addresses, hashed as it came
 
     @property
     def latencies(self) -> dict[str, float | list[float] | None]:

@@ -127,6 +127,8 @@ class Scheduler:
             seed = TEMPERATURE_0_SEED if params.effective_temperature == 0 else self._rng.randrange(2**63)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         request = Request(request_id, prompt, params, seed, stop_ids)
+        if self.pages is not None:   # hashed once as it comes: admission only looks the addresses up
+            request.page_addresses = self.pages.addresses(prompt)
         self._waiting.append(request)
         self._live[request_id] = request
         return request
@@ -219,7 +221,7 @@ class Scheduler:
             if self.pages is not None:
                 got = self.pages.admit(request.request_id, request.prompt,
                                        self._kv_positions(len(request.prompt), request.params),
-                                       self._ahead(len(request.prompt), request.params))
+                                       self._ahead(len(request.prompt), request.params), request.page_addresses)
                 if got is None:
                     break
                 request.cached_tokens = got.cached_tokens
