@@ -35,7 +35,7 @@ from model.slots import Admission, SlotInfo, SlotTable
 from model.steps.causal import CausalSteps
 from model.steps.compiled import CompiledUpdate
 from model.steps.env import StepEnv
-from model.steps.plan import RowPlan, graph_plan, plan_rows
+from model.steps.plan import RowPlan, graph_plan, limits_every_position, plan_rows
 from model.steps.sampler import RowSampler
 
 CANVAS_MODES = ("diffusion", "linear_spec")
@@ -435,7 +435,12 @@ class Runner:
                              dtype=torch.bool, pin_memory=pinned))
 
     def _run(self, kind: str, step, slots: list[int], kv_len: int) -> None:
-        if self.graphs is None or self.observer is not None:
+        # a constrained linear speculation row's verify is limited at every draft position: eagerly, so the
+        # graphs' steps mask one position a row (model/steps/env.py)
+        spans = any(limits_every_position(self.slots.info[s].params) for s in slots)
+        if self.graphs is None or self.observer is not None or spans:
+            if self.graphs is not None and spans:
+                self._count_eager()
             plan = self.plan(slots, kv_len)
             step(plan, self.slots.device_index(slots), self.slots.device_index(list(plan.scored)))
             return

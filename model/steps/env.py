@@ -67,40 +67,42 @@ class StepEnv:
         with step_context(ctx):
             return self.model(tokens, positions, soft)
 
-    def logits(self, hidden: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, idx: torch.Tensor | None = None, spans: tuple[int, ...] = ()) -> torch.Tensor:
         """This rank's raw logits [..., V_r] (the LM head's dtype), the mask token's -inf (never predicted);
         with the rows' slots idx ([B, W, H] hidden), a constrained row's grammar position limited to the
-        tokens its grammar allows (the rest -inf)."""
+        tokens its grammar allows (the rest -inf), and rows `spans` at each position of their span."""
         x = self.model.head_logits(hidden)
         if self.mask_id is not None:
             local = self.mask_id - self.model.vocab_start
             if 0 <= local < x.shape[-1]:
                 x[..., local] = -torch.inf
         if idx is not None:
-            self._constrain(x, idx)
+            self._constrain(x, idx, spans)
         return x
 
-    def _constrain(self, x: torch.Tensor, idx: torch.Tensor) -> None:
+    def _constrain(self, x: torch.Tensor, idx: torch.Tensor, spans: tuple[int, ...]) -> None:
         """Device data only, in every step (an unconstrained row's position is -1 and keeps its logits
-        bit for bit), so constrained requests change no step's code (docs/spec.md 12)."""
+        bit for bit), so constrained requests change no step's code (docs/spec.md 12): each row's first
+        limited position. Rows `spans` (a constrained verify, eager steps only) at every position of their
+        span too, each with its own allowed tokens: [rows, W, V_r] of work, which graphs never do."""
         t = self.slots
         pos = t.grammar_pos[idx]
         ids = torch.arange(self.model.vocab_start, self.model.vocab_start + x.shape[-1], device=x.device)
-        width = t.grammar_bits.shape[1]
-        if width == 1:   # one position a row: only that column is read and written
-            rows = torch.arange(x.shape[0], device=x.device)
-            col = pos.clamp(0, x.shape[1] - 1)
-            words = t.grammar_bits[idx, 0][:, ids >> 5]                                   # [B, V_r]
-            allowed = ((words >> (ids & 31)) & 1).bool() | (pos < 0)[:, None]
-            x[rows, col] = torch.where(allowed, x[rows, col], -torch.inf)
+        rows = torch.arange(x.shape[0], device=x.device)
+        col = pos.clamp(0, x.shape[1] - 1)
+        words = t.grammar_bits[idx, 0][:, ids >> 5]                                       # [B, V_r]
+        allowed = ((words >> (ids & 31)) & 1).bool() | (pos < 0)[:, None]
+        x[rows, col] = torch.where(allowed, x[rows, col], -torch.inf)
+        if not spans:
             return
-        # positions pos .. pos + span - 1, each with its own allowed tokens (a linear speculation verify)
-        k = torch.arange(x.shape[1], device=x.device) - pos[:, None]                          # [B, W]
-        on = (pos >= 0)[:, None] & (k >= 0) & (k < t.grammar_span[idx][:, None])
-        bits = t.grammar_bits[idx]                                                         # [B, width, words]
+        r = torch.tensor(spans, device=x.device)
+        width = t.grammar_bits.shape[1]
+        k = torch.arange(x.shape[1], device=x.device) - pos[r][:, None]                    # [R, W]
+        on = (pos[r] >= 0)[:, None] & (k >= 0) & (k < t.grammar_span[idx[r]][:, None])
+        bits = t.grammar_bits[idx[r]]                                                     # [R, width, words]
         words = bits.gather(1, k.clamp(0, width - 1)[..., None].expand(-1, -1, bits.shape[-1]))[..., ids >> 5]
-        allowed = ((words >> (ids & 31)) & 1).bool() | ~on[..., None]                      # [B, W, V_r]
-        x.copy_(torch.where(allowed, x, -torch.inf))
+        allowed = ((words >> (ids & 31)) & 1).bool() | ~on[..., None]                      # [R, W, V_r]
+        x[r] = torch.where(allowed, x[r], -torch.inf)
 
     def observe(self, event: str, kind: str, idx: torch.Tensor, logits: torch.Tensor | None = None) -> None:
         if self.observer is not None:

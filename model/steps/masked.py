@@ -75,7 +75,7 @@ class MaskedCanvasStep:
         # (its page table covers the tokens it feeds, not a canvas)
         lengths = torch.where(is_ar, 1, C)
         hidden = r.forward(idx, tokens, t.length[idx], C, causal, plan.kv_len, lengths=lengths)
-        x = r.logits(hidden, idx)                                       # [B, C, V_r] raw, mask token -inf
+        x = r.logits(hidden, idx, plan.spans)                           # [B, C, V_r] raw, mask token -inf
         st = r.sampler.stats(x, idx, plan)
         scores = r.sampler.scores(x, st, st.x_sample[scored], scored, plan.top_logprobs, idx) if plan.scored else None
         r.observe("before", "canvas", idx, x)

@@ -28,6 +28,9 @@ class RowPlan:
     policies: tuple[str, ...]      # reveal policies computed (masked diffusion; each row keeps its own)
     early_stop: bool               # the stop at a clean EOS computed (rows that ask keep it)
     drafting: bool                 # snapshots taken (by rows whose draft_every is set)
+    # rows (0..B-1) whose verify a grammar limits at every draft position (constrained linear speculation,
+    # docs/spec.md 12): eager steps only, so the graphs mask one position a row
+    spans: tuple[int, ...] = ()
 
 
 def plan_rows(infos: list[SlotInfo], kv_len: int, uniform_noise: bool) -> RowPlan:
@@ -42,7 +45,13 @@ def plan_rows(infos: list[SlotInfo], kv_len: int, uniform_noise: bool) -> RowPla
         filters=any(p.top_k > 0 or p.top_p < 1 for p in params),
         policies=tuple(sorted({p.policy for p in params if p.mode == "diffusion"})),
         early_stop=any(p.eos_early_stop and not p.ignore_eos for p in params),
-        drafting=any(p.stream_drafts for p in params))
+        drafting=any(p.stream_drafts for p in params),
+        spans=tuple(r for r, p in enumerate(params) if limits_every_position(p)))
+
+
+def limits_every_position(params) -> bool:
+    """A request whose verify steps a grammar limits at every draft position: they run eagerly."""
+    return params.grammar is not None and params.mode == "linear_spec"
 
 
 def graph_plan(rows: int, kv_len: int, scored: bool) -> RowPlan:
