@@ -11,6 +11,7 @@ captures before a shard serves. The step loop, graphs and batch invariance: docs
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -35,7 +36,7 @@ from model.slots import Admission, SlotInfo, SlotTable
 from model.steps.causal import CausalSteps
 from model.steps.compiled import CompiledUpdate
 from model.steps.env import StepEnv
-from model.steps.plan import RowPlan, graph_plan, limits_every_position, plan_rows
+from model.steps.plan import RowPlan, graph_plan, plan_rows
 from model.steps.sampler import RowSampler
 
 CANVAS_MODES = ("diffusion", "linear_spec")
@@ -79,8 +80,9 @@ class Runner:
         self.pool_sizing: tuple[float, int] | None = None
         self.pool_report: dict = {}
         self.prefilling: set[int] = set()   # slots whose prompt is prefilled a chunk at a time, not to its end yet
-        # a linear speculation verify is constrained at every draft position at once (docs/spec.md 12)
-        width = self.C if "linear_spec" in self.family.constrained_modes else 1
+        # a linear speculation verify is constrained at every draft position at once (docs/spec.md 12); a
+        # runner without its tokenizer takes no grammar
+        width = self.C if "linear_spec" in self.family.constrained_modes and tokenizer_dir is not None else 1
         slots = SlotTable(num_slots, self.C, cfg.mask_token_id or 0, self.device, cfg.vocab_size, width)
         load = None if tokenizer_dir is None else \
             (lambda: grammar_tokenizer(tokenizer_dir, cfg.vocab_size, cfg.eos_token_ids))
@@ -183,8 +185,8 @@ class Runner:
                 if k == 0 and runs:
                     self._prefill(runs)
                 if canvas:
-                    self.grammar.check(canvas)
-                    self._run("canvas", self.canvas_step, canvas, canvas_keys)
+                    spans = self.grammar.check(canvas)
+                    self._run("canvas", self.canvas_step, canvas, canvas_keys, spans)
                 if ar:
                     self.grammar.check(ar)
                     self._run("ar", self.causal.ar_step, ar, ar_keys)
@@ -434,14 +436,16 @@ class Runner:
                 torch.tensor([[mode == m for m in ("diffusion", "linear_spec", "ar")] for mode in modes],
                              dtype=torch.bool, pin_memory=pinned))
 
-    def _run(self, kind: str, step, slots: list[int], kv_len: int) -> None:
-        # a constrained linear speculation row's verify is limited at every draft position: eagerly, so the
-        # graphs' steps mask one position a row (model/steps/env.py)
-        spans = any(limits_every_position(self.slots.info[s].params) for s in slots)
+    def _run(self, kind: str, step, slots: list[int], kv_len: int, spans: set[int] = frozenset()) -> None:
+        """One step over rows `slots`; `spans`: those whose step a grammar limits at several positions (a
+        constrained verify): the step runs eagerly, so the graphs' steps mask one position a row
+        (model/steps/env.py)."""
         if self.graphs is None or self.observer is not None or spans:
             if self.graphs is not None and spans:
                 self._count_eager()
             plan = self.plan(slots, kv_len)
+            if spans:
+                plan = dataclasses.replace(plan, spans=tuple(r for r, s in enumerate(slots) if s in spans))
             step(plan, self.slots.device_index(slots), self.slots.device_index(list(plan.scored)))
             return
         rows = padded_size(len(slots), self.sizes)

@@ -224,7 +224,7 @@ class Scheduler:
                                        self._ahead(len(request.prompt), request.params), request.page_addresses)
                 if got is None:
                     break
-                request.cached_tokens = got.cached_tokens
+                request.cached_tokens, request.page_addresses = got.cached_tokens, None   # the pool holds them now
             request.prefilled = request.cached_tokens
             # its first chunk's pages are cached at once: a request admitted beside it reads them in the
             # same prefill pass, and later ones after it

@@ -134,16 +134,17 @@ class GrammarGuide:
             self.t.grammar_valid[idx] = -1
             self.t.grammar_fixed[idx] = -1
 
-    def check(self, slots: list[int]) -> None:
+    def check(self, slots: list[int]) -> set[int]:
         """Before a step over rows `slots`: each constrained one's text as the last step left it, checked;
         the first refused token masked again, the frontier and its allowed tokens set (one copy of the rows'
-        state to the host and one back: a step with constrained rows waits for the host)."""
+        state to the host and one back: a step with constrained rows waits for the host). Returns the slots
+        whose step is limited at more than one position (a verify: model/steps/env.py)."""
         mine = [s for s in slots if s in self.active]
         if not mine:
-            return
+            return set()
         if self.argmax is not None:
             self._check_uniform(mine)
-            return
+            return set()
         t, C = self.t, self.t.C
         idx = t.device_index(mine)
         state = torch.cat([torch.stack([t.phase[idx], t.length[idx], t.emitted[idx], t.last_token[idx]], 1),
@@ -195,6 +196,7 @@ class GrammarGuide:
         dev = t.device
         t.phase.index_copy_(0, idx, torch.tensor(phases, dtype=torch.int64).to(dev))
         t.canvas.index_copy_(0, idx, torch.tensor(canvases, dtype=torch.int64).to(dev))
+        return {s for s, n in zip(mine, span) if n > 1}
 
     def _check_uniform(self, mine: list[int]) -> None:
         """Uniform-noise canvases (DiffusionGemma): every position holds a token at every step, so the check

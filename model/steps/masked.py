@@ -167,8 +167,8 @@ class MaskedCanvasStep:
         if plan.drafting:
             r.drafts.record(idx, denoised, ~still_masked, n + 1, is_denoise, length)
         denoising = (is_denoise | is_draft).long().sum()
-        r.outputs.add_counters(committed_tokens=(is_commit.long() * C + final.long() * final_count
-                                                 + is_verify.long() * accepted + is_ar.long()).sum(),
+        r.outputs.add_counters(committed_tokens=((is_commit | final).long() * C + is_verify.long() * accepted
+                                                 + is_ar.long()).sum(),
                                denoising_steps=denoising, canvas_positions=denoising * C,
                                canvases=(is_commit | final | is_verify).long().sum(), forwards=live.long().sum(),
                                passes=1)

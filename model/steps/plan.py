@@ -29,7 +29,8 @@ class RowPlan:
     early_stop: bool               # the stop at a clean EOS computed (rows that ask keep it)
     drafting: bool                 # snapshots taken (by rows whose draft_every is set)
     # rows (0..B-1) whose verify a grammar limits at every draft position (constrained linear speculation,
-    # docs/spec.md 12): eager steps only, so the graphs mask one position a row
+    # docs/spec.md 12; the runner sets them from the host's check): eager steps only, so the graphs mask
+    # one position a row
     spans: tuple[int, ...] = ()
 
 
@@ -45,13 +46,7 @@ def plan_rows(infos: list[SlotInfo], kv_len: int, uniform_noise: bool) -> RowPla
         filters=any(p.top_k > 0 or p.top_p < 1 for p in params),
         policies=tuple(sorted({p.policy for p in params if p.mode == "diffusion"})),
         early_stop=any(p.eos_early_stop and not p.ignore_eos for p in params),
-        drafting=any(p.stream_drafts for p in params),
-        spans=tuple(r for r, p in enumerate(params) if limits_every_position(p)))
-
-
-def limits_every_position(params) -> bool:
-    """A request whose verify steps a grammar limits at every draft position: they run eagerly."""
-    return params.grammar is not None and params.mode == "linear_spec"
+        drafting=any(p.stream_drafts for p in params))
 
 
 def graph_plan(rows: int, kv_len: int, scored: bool) -> RowPlan:
