@@ -4,8 +4,9 @@
 
 Starts scripts/serve_local.py of --server-tree (default: this checkout; an older one measures "before"
 with the same client) on the family's full-size shapes with dummy weights, then times the cold start,
-the homogeneous, matched and mixed phases at --concurrency, the seed workload per concurrency and, with
---warm-restart, a second start on the caches the first filled. Prints the rows (mixed / homogeneous
+the homogeneous, matched and mixed phases at --concurrency, the seed workload per concurrency, with
+--seed-schema the seed workload under a JSON schema and, with --warm-restart, a second start on the caches
+the first filled. Prints the rows (mixed / homogeneous
 committed tok/s, p99 / median latency, graphs captured after ready, GPU memory, passes, seed tok/s and
 the shards' busy share); saves every figure as JSON (--out) and a result file (--results-dir).
 docs/benchmarking.md says what each phase and row is.
@@ -46,6 +47,11 @@ PERCENTILES = [50.0, 99.0]
 ALGORITHM_FIELDS = ("diffusion",)
 STREAMED = argparse.Namespace(ignore_eos=True, extra_body={})   # serve_bench.request_body's settings
 FIRST_REQUEST = {"prompt": [1] * 16, "max_tokens": 16, "ignore_eos": True}   # sent until one succeeds
+# --seed-schema's constraint: JSON with open-ended strings, so the grammar lets much text through, as a
+# real extraction's would (after the object closes, ignore_eos keeps a request going on EOS tokens)
+SEED_SCHEMA = {"type": "json_schema", "json_schema": {"name": "report", "strict": True, "schema": {
+    "type": "object", "additionalProperties": False, "required": ["title", "points"],
+    "properties": {"title": {"type": "string"}, "points": {"type": "array", "items": {"type": "string"}}}}}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed-rounds", type=int, default=2, help="requests per level = rounds x concurrency")
     p.add_argument("--seed-prompt-len", type=int, default=1024)
     p.add_argument("--seed-max-tokens", type=int, default=1024)
+    p.add_argument("--seed-schema", action="store_true",
+                   help="after the seed levels, the seed workload with a JSON schema (response_format) at "
+                        "concurrency 1, and unconstrained seed requests beside as many constrained ones "
+                        "against beside unconstrained ones (half the highest level each)")
     p.add_argument("--vocab", type=int, default=FALLBACK_VOCAB, help="prompt token ids are drawn from [0, this)")
     p.add_argument("--start-timeout", type=float, default=900.0,
                    help="seconds from the start to the first successful completion")
@@ -149,6 +159,16 @@ def plan(opts: argparse.Namespace, model: str) -> dict[str, list[dict]]:
               "seed": [request_body(STREAMED, model, p, seed_draw) for p in seed_prompts]}
     if bodies["matched"] == bodies["homogeneous"]:   # the mix draws no algorithm option: nothing to part
         del bodies["matched"]
+    if opts.seed_schema:
+        half = max(1, max(opts.seed_levels) // 2)
+        n = [opts.seed_rounds, half * opts.seed_rounds]
+        more = token_prompts([opts.seed_prompt_len] * (n[0] + 4 * n[1]), opts.vocab, [opts.seed, 6])
+        plain = [request_body(STREAMED, model, p, seed_draw) for p in more]
+        bound = [b | {"response_format": SEED_SCHEMA} for b in plain]
+        cut = [n[0], n[0] + n[1], n[0] + 2 * n[1], n[0] + 3 * n[1]]
+        bodies |= {"schema_c1": bound[:cut[0]], "beside_plain_free": plain[cut[0]:cut[1]],
+                   "beside_plain_other": plain[cut[1]:cut[2]], "beside_schema_free": plain[cut[2]:cut[3]],
+                   "beside_schema_other": bound[cut[3]:]}
     return bodies
 
 
@@ -240,6 +260,26 @@ async def _phases(opts: argparse.Namespace, server: ServerProcess, result: dict)
                                                          seed[taken:taken + n], level, opts)
             taken += n
             save(result, opts.out)
+        if opts.seed_schema:
+            await _schema_phases(opts, http, server, url, bodies, result)
+
+
+async def _schema_phases(opts: argparse.Namespace, http: httpx.AsyncClient, server: ServerProcess, url: str,
+                         bodies: dict, result: dict) -> None:
+    """The seed workload with a JSON schema at concurrency 1; then unconstrained seed requests (`free`)
+    sent beside as many others (`other`), unconstrained and then constrained, each group at half the
+    highest level: the free group's tok/s beside constrained neighbours over beside unconstrained ones."""
+    schema = result["schema"] = {}
+    schema["c1"] = await run_phase(http, server, url, "seed with a JSON schema at concurrency 1",
+                                   bodies["schema_c1"], 1, opts)
+    half = max(1, max(opts.seed_levels) // 2)
+    for kind in ("plain", "schema"):
+        free, other = await asyncio.gather(
+            run_phase(http, server, url, f"seed beside {kind} neighbours", bodies[f"beside_{kind}_free"], half,
+                      opts),
+            run_phase(http, server, url, f"  its {kind} neighbours", bodies[f"beside_{kind}_other"], half, opts))
+        schema[f"beside_{kind}_free"], schema[f"beside_{kind}_other"] = free, other
+        save(result, opts.out)
 
 
 async def run_phase(http: httpx.AsyncClient, server: ServerProcess, url: str, name: str, bodies: list[dict],
@@ -299,10 +339,10 @@ def _ms_per_pass(phase: dict | None, passes: float | None) -> float | None:
 
 def derive(result: dict, levels: list[int]) -> dict:
     """The rows from the phases measured so far (None where a phase is missing)."""
-    phases, seed = result["phases"], result["seed"]
+    phases, seed, schema = result["phases"], result["seed"], result.get("schema") or {}
     mixed = (phases.get("mixed") or {}).get("summary")
     last = None   # the latest scrape of the CUDA-graph series
-    for rec in [*phases.values(), *seed.values()]:
+    for rec in [*phases.values(), *seed.values(), *schema.values()]:
         last = rec["metrics_after"]
     memory = {name: rec["memory_after_mib"] for name, rec in phases.items()}
     tok_s = {name: _tok_s(phases.get(name)) for name in ("homogeneous", "matched", "mixed")}
@@ -311,7 +351,7 @@ def derive(result: dict, levels: list[int]) -> dict:
     seed_tok_s = {str(c): _tok_s(seed.get(str(c))) for c in levels}
     seed_passes = {str(c): _delta(seed.get(str(c)), "dllm_passes_total") for c in levels}
     failed = sum(rec["summary"]["failed"] if rec["summary"] else rec["requests"]
-                 for rec in [*phases.values(), *seed.values()])
+                 for rec in [*phases.values(), *seed.values(), *schema.values()])
     return {
         "homogeneous_tok_s": tok_s["homogeneous"],
         "mixed_tok_s": tok_s["mixed"],
@@ -348,6 +388,10 @@ def derive(result: dict, levels: list[int]) -> dict:
         # GPU waited on the host (HTTP, Ray, the scheduler), an upper bound since a command's execute
         # time also covers its own host work
         "seed_busy_share": {str(c): _busy_share(seed.get(str(c))) for c in levels},
+        # --seed-schema: a constrained request's own cost, and what constrained neighbours cost the others
+        "seed_schema_over_plain_c1": _ratio(_tok_s(schema.get("c1")), seed_tok_s.get("1")),
+        "schema_neighbours_ratio": _ratio(_tok_s(schema.get("beside_schema_free")),
+                                          _tok_s(schema.get("beside_plain_free"))),
     }
 
 
@@ -387,6 +431,11 @@ def rows(result: dict) -> list[tuple[str, float | None, str]]:
         busy = (r.get("seed_busy_share") or {}).get(c)
         if busy is not None:
             out.append((f"seed at concurrency {c}: shards' busy share of the time", busy, ""))
+    if r.get("seed_schema_over_plain_c1") is not None or r.get("schema_neighbours_ratio") is not None:
+        out += [("seed workload with a JSON schema at concurrency 1 / without", r.get("seed_schema_over_plain_c1"),
+                 ""),
+                ("unconstrained tok/s beside constrained neighbours / beside unconstrained",
+                 r.get("schema_neighbours_ratio"), ">= 0.95")]
     return out
 
 

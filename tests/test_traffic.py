@@ -51,15 +51,20 @@ def test_traffic_smoke_from_a_cold_start(tiny_nemotron, tmp_path):
     concurrency 2 and a warm restart, is the reliability tier's, below): every request answered, the rows
     derived, and the server stopped with its Ray."""
     opts, result = _measure(tiny_nemotron, tmp_path, "--requests", "2", "--warmup-requests", "1", "--concurrency",
-                            "1", "--seed-levels", "1")
+                            "1", "--seed-levels", "1", "--seed-schema")
     cold = result["cold_start"]
     assert 0 < cold["health_200_s"] <= cold["first_completion_s"] < 150 and cold["model"] == tiny_nemotron.name
     for name, n in (("warmup", 1), ("homogeneous", 2), ("matched", 2), ("mixed", 2)):
         phase = result["phases"][name]
         assert phase["error"] is None and phase["summary"]["completed"] == n and phase["summary"]["failed"] == 0
     assert [result["seed"][c]["summary"]["completed"] for c in ("warmup", "1")] == [1, 1]
+    # --seed-schema: the seed workload under a JSON schema, and beside unconstrained / constrained neighbours
+    assert {name: phase["summary"]["completed"] for name, phase in result["schema"].items()} == {
+        "c1": 1, "beside_plain_free": 1, "beside_plain_other": 1, "beside_schema_free": 1, "beside_schema_other": 1}
     rows = result["rows"]
     assert rows["failed_requests"] == 0 and rows["seed_over_concurrency_1"]["1"] == 1.0
+    assert rows["seed_schema_over_plain_c1"] > 0 and rows["schema_neighbours_ratio"] > 0
+    assert "unconstrained tok/s beside constrained neighbours / beside unconstrained" in traffic.format_table(result)
     assert json.loads(opts.out.read_text())["server_exit_status"] == 0
     deadline = time.monotonic() + 15
     while _group_members(result["server_pid"]) and time.monotonic() < deadline:
@@ -198,6 +203,23 @@ def test_the_matched_phase_keeps_a_draws_algorithm_options_alone(tmp_path):
     assert "matched" not in traffic.plan(traffic.parse_args(["--family", "diffusion-gemma"]), "m")
 
 
+def test_the_schema_phases_constrain_only_their_constrained_groups():
+    """--seed-schema: the seed workload's bodies, a JSON schema on the concurrency-1 phase and on the
+    neighbours of the second pair only; each group half the highest seed level, rounds times over."""
+    opts = traffic.parse_args(["--family", "diffusion-gemma", "--seed-levels", "1,8", "--seed-rounds", "2",
+                               "--seed-schema"])
+    bodies = traffic.plan(opts, "m")
+    assert "schema_c1" not in traffic.plan(traffic.parse_args(["--family", "diffusion-gemma"]), "m")
+    seed = bodies["seed"][0]
+    for name, n, bound in (("schema_c1", 2, True), ("beside_plain_free", 8, False), ("beside_plain_other", 8, False),
+                           ("beside_schema_free", 8, False), ("beside_schema_other", 8, True)):
+        assert len(bodies[name]) == n, name
+        for b in bodies[name]:
+            assert (b.get("response_format") == traffic.SEED_SCHEMA) == bound, name
+            assert {k: v for k, v in b.items() if k not in ("prompt", "response_format")} == \
+                {k: v for k, v in seed.items() if k != "prompt"}
+
+
 def test_rows_from_synthetic_phases():
     result = {"family": "diffusion-gemma", "server_tree": "/t", "server_commit": "abc",
               "cold_start": {"health_200_s": 50.0, "first_completion_s": 52.0},
@@ -210,6 +232,12 @@ def test_rows_from_synthetic_phases():
                                    busy_s=3.6)}}
     rows = result["rows"] = traffic.derive(result, [1, 2])
     assert rows["mixed_over_homogeneous"] == pytest.approx(0.92) and rows["mixed_p99_over_median"] == 1.8
+    assert rows["seed_schema_over_plain_c1"] is None and "JSON schema" not in traffic.format_table(result)
+    with_schema = result | {"schema": {"c1": _phase(600, 1, 1, None, 2.0), "beside_plain_free": _phase(500, 1, 1, None, 2.0),
+                                       "beside_schema_free": _phase(480, 1, 1, None, 2.0, failed=1)}}
+    schema_rows = traffic.derive(with_schema, [1, 2])
+    assert schema_rows["seed_schema_over_plain_c1"] == 0.75 and schema_rows["schema_neighbours_ratio"] == 0.96
+    assert schema_rows["failed_requests"] == rows["failed_requests"] + 1
     assert rows["mixed_over_matched"] is None and "mixed / matched" not in traffic.format_table(result)
     # with a matched phase, the ratio in its two factors
     split = result | {"phases": result["phases"] | {"matched": _phase(800, 1000, 1200, 70_020.0, 0.0)}}
