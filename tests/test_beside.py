@@ -13,8 +13,6 @@ other. -rP prints the run's counts and slowest tests.
 from __future__ import annotations
 
 import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -22,6 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.background_run import kill, output, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ("test_ar_rides.py", "test_compiled_update.py", "test_decode_logprobs.py", "test_decode_schedule.py",
@@ -75,38 +75,12 @@ def start_ahead(after_pid: int | None) -> None:
     _run = (proc, out, ids.name)
 
 
-
-
 def stop_ahead() -> None:
     """Stops a run no test awaited (a session stopped early)."""
     if _run is not None:
         if _run[0].poll() is None:
-            _kill(_run[0])
+            kill(_run[0])
         Path(_run[2]).unlink(missing_ok=True)
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def _output(out, chars: int = 12000) -> str:
-    out.seek(0)
-    text = out.read()
-    return text if len(text) <= chars else "...\n" + text[-chars:]
-
-
-def summary(text: str) -> dict[str, int]:
-    """pytest's closing line ("90 passed, 2 skipped, 3 warnings in 101.02s") as {outcome: count}, without the
-    warnings."""
-    lines = [line for line in text.splitlines() if re.search(r"\d+ \w+.* in [\d.]+s", line)]
-    if not lines:
-        return {}
-    counts = re.findall(r"(\d+) (\w+)", lines[-1].strip("= ").split(" in ")[0])
-    return {kind: int(n) for n, kind in counts if not kind.startswith("warning")}
 
 
 @pytest.mark.timeout(BOUND_S + 60)
@@ -124,11 +98,11 @@ def test_the_modules_run_beside_the_session_pass():
     try:
         proc.wait(timeout=BOUND_S)
     except subprocess.TimeoutExpired:
-        _kill(proc)
-        pytest.fail(f"the run beside the session not done in {BOUND_S} s; its output:\n{_output(out)}")
+        kill(proc)
+        pytest.fail(f"the run beside the session not done in {BOUND_S} s; its output:\n{output(out)}")
     finally:
         Path(ids).unlink(missing_ok=True)
-    text = _output(out)
+    text = output(out)
     counts = summary(text)
     expected = len(node_ids)
     failed = "\n".join(line for line in text.splitlines() if line.startswith(("FAILED ", "ERROR ")))

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.background_run import kill, output, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 # the tests in tests/interpreted: one added there is counted here (a file that collects nothing, or a test
@@ -55,31 +55,7 @@ def start_ahead() -> None:
 def stop_ahead() -> None:
     """Stops a run no test awaited (a session stopped early)."""
     if _run is not None and _run[0].poll() is None:
-        _kill(_run[0])
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def _output(out, chars: int = 12000) -> str:
-    out.seek(0)
-    text = out.read()
-    return text if len(text) <= chars else "...\n" + text[-chars:]
-
-
-def summary(text: str) -> dict[str, int]:
-    """pytest's closing line ("33 passed, 1 failed, 2 warnings in 361.02s") as {outcome: count}, without
-    the warnings."""
-    lines = [line for line in text.splitlines() if re.search(r"\d+ \w+.* in [\d.]+s", line)]
-    if not lines:
-        return {}
-    counts = re.findall(r"(\d+) (\w+)", lines[-1].strip("= ").split(" in ")[0])
-    return {kind: int(n) for n, kind in counts if not kind.startswith("warning")}
+        kill(_run[0])
 
 
 @pytest.mark.timeout(BOUND_S + 60)
@@ -92,9 +68,9 @@ def test_triton_kernels_under_the_interpreter():
     try:
         proc.wait(timeout=max(1.0, started + BOUND_S - time.monotonic()))
     except subprocess.TimeoutExpired:
-        _kill(proc)
-        pytest.fail(f"tests/interpreted not done in {BOUND_S} s; its output:\n{_output(out)}")
-    text = _output(out)
+        kill(proc)
+        pytest.fail(f"tests/interpreted not done in {BOUND_S} s; its output:\n{output(out)}")
+    text = output(out)
     counts = summary(text)
     assert proc.returncode == 0 and counts == {"passed": EXPECTED}, (
         f"tests/interpreted under TRITON_INTERPRET=1: exit status {proc.returncode}, {counts or 'no summary'}"
