@@ -6,6 +6,7 @@ Request records keep the tokens but no scores.
 """
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -65,3 +66,20 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], params: DecodePar
         assert (s.output, s.finish_reason, s.denoising_steps, s.canvases) == (
             r.output, r.finish_reason, r.denoising_steps, r.canvases), r.request_id
     return served
+
+
+def generate_shuffled(engine: Engine, batch: list[tuple[list[int], DecodeParams]],
+                      rng: random.Random) -> dict[tuple[int, ...], Served]:
+    """The (prompt, params) pairs shuffled by `rng` into one batch: each answer by its prompt."""
+    rng.shuffle(batch)
+    done = generate(engine, [p for p, _ in batch], [q for _, q in batch])
+    return {tuple(p): r for (p, _), r in zip(batch, done)}
+
+
+def assert_same_answer(got: Served, alone: Served, tol: float = 1e-4) -> None:
+    """A request in a batch gave what it gives alone: its tokens, and its scores where it asked for them."""
+    assert got.output == alone.output, got.params
+    if alone.logprobs is not None:
+        assert len(got.logprobs) == len(got.output)
+        assert max(abs(x - y) for x, y in zip(got.logprobs, alone.logprobs)) < tol
+        assert got.ranks == alone.ranks and got.top_ids == alone.top_ids

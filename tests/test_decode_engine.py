@@ -66,17 +66,9 @@ def test_requests_alone_equal_requests_in_random_batches(engine):
     alone = [served.generate(engine, [p], [q])[0] for p, q in probes]
     for trial in range(2):
         neighbours = [(prompt(200 + 10 * trial + i, rng.randint(3, 60)), random_params(rng)) for i in range(3)]
-        batch = probes + neighbours
-        rng.shuffle(batch)
-        done = served.generate(engine, [p for p, _ in batch], [q for _, q in batch])
-        by_prompt = {tuple(p): r for (p, _), r in zip(batch, done)}
-        for (p, q), ref in zip(probes, alone):
-            got = by_prompt[tuple(p)]
-            assert got.output == ref.output, q
-            if q.logprobs is not None:
-                assert len(got.logprobs) == len(got.output)
-                assert max(abs(x - y) for x, y in zip(got.logprobs, ref.logprobs)) < 1e-4
-                assert got.ranks == ref.ranks and got.top_ids == ref.top_ids
+        by_prompt = served.generate_shuffled(engine, probes + neighbours, rng)
+        for (p, _), ref in zip(probes, alone):
+            served.assert_same_answer(by_prompt[tuple(p)], ref)
 
 
 def test_ar_greedy_equals_transformers_generate(engine, tiny_nemotron):

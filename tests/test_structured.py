@@ -159,16 +159,10 @@ def test_neighbours_of_constrained_requests_keep_their_tokens_and_logprobs(engin
     neighbours = [(prompt(400 + i), DecodeParams(mode=m, policy=pol, temperature=1.0, seed=i, max_tokens=48,
                                                  grammar=g)) for i, (m, pol) in enumerate(MODES[:3])]
     neighbours.append((prompt(403), DecodeParams(mode="linear_spec", max_tokens=48, grammar=g)))
-    batch = probes + neighbours
-    rng.shuffle(batch)
-    done = served.generate(engine, [p for p, _ in batch], [q for _, q in batch])
-    by_prompt = {tuple(p): r for (p, _), r in zip(batch, done)}
+    by_prompt = served.generate_shuffled(engine, probes + neighbours, rng)
     for (p, q), ref in zip(probes, alone):
-        got = by_prompt[tuple(p)]
-        assert got.output == ref.output, q
-        assert len(got.logprobs) == len(got.output)
-        assert max(abs(x - y) for x, y in zip(got.logprobs, ref.logprobs)) < 1e-4
-        assert got.ranks == ref.ranks and got.top_ids == ref.top_ids
+        assert q.logprobs is not None   # every probe is scored
+        served.assert_same_answer(by_prompt[tuple(p)], ref)
 
 
 def test_tensor_parallel_constrained_equals_tp1(engine, tiny_nemotron, tokenizers):
@@ -178,12 +172,18 @@ def test_tensor_parallel_constrained_equals_tp1(engine, tiny_nemotron, tokenizer
               for i, (m, p) in enumerate([MODES[0], MODES[3], MODES[4]])]
     params.append(DecodeParams(mode="linear_spec", max_tokens=48, logprobs=0, grammar=g))
     prompts.append(prompt(503))
+    assert_tp2_equals_tp1(engine, tiny_nemotron, 512, prompts, params, tol=1e-3)
+
+
+def assert_tp2_equals_tp1(engine: Engine, model_dir, max_model_len: int, prompts, params, tol: float) -> None:
+    """The requests on `engine` (TP = 1) and on a TP = 2 engine of the same checkpoint: the same tokens and
+    finish, their logprobs within `tol`."""
     tp1 = served.generate(engine, prompts, params)
-    with Engine(tiny_nemotron, tp=2, num_slots=8, max_model_len=512, enable_prefix_caching=False) as e:
+    with Engine(model_dir, tp=2, num_slots=8, max_model_len=max_model_len, enable_prefix_caching=False) as e:
         tp2 = served.generate(e, prompts, params)
     for a, b in zip(tp1, tp2):
         assert a.output == b.output and a.finish_reason == b.finish_reason
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < tol
 
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "model" / "checkpoints" / "tiny-docstrings"
@@ -297,15 +297,9 @@ def test_diffusion_gemma_tensor_parallel_constrained_equals_tp1(gemma, tiny_gemm
     engine, toks = gemma
     g = grammar(toks, "json_schema", SCHEMA)
     params = [DecodeParams(temperature=1.0, seed=i, max_tokens=48, logprobs=0, grammar=g) for i in range(2)]
-    prompts = [[2, 70, 71], [2, 80]]
-    tp1 = served.generate(engine, prompts, params)
-    with Engine(tiny_gemma, tp=2, num_slots=8, max_model_len=256, enable_prefix_caching=False) as e:
-        tp2 = served.generate(e, prompts, params)
-    for a, b in zip(tp1, tp2):
-        assert a.output == b.output and a.finish_reason == b.finish_reason
-        # these canvases run 20-40 self-conditioned steps, each feeding TP's fp32 rounding (bounded per step
-        # by tests/tp_harness.py) into the next: their scores drift by ~1e-3, the tokens do not move
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-2
+    # these canvases run 20-40 self-conditioned steps, each feeding TP's fp32 rounding (bounded per step by
+    # tests/tp_harness.py) into the next: their scores drift by ~1e-3, the tokens do not move
+    assert_tp2_equals_tp1(engine, tiny_gemma, 256, [[2, 70, 71], [2, 80]], params, tol=1e-2)
 
 
 @pytest.mark.gpu
