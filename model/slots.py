@@ -68,6 +68,13 @@ class Scores:
             return torch.gather(t, 1, index)
         return Scores(pick(self.logprob), pick(self.rank), pick(self.top_values), pick(self.top_ids))
 
+    def where(self, cond: torch.Tensor, other: "Scores") -> "Scores":
+        """These scores where `cond` [R, P] (broadcast over positions and alternatives), `other`'s elsewhere."""
+        def pick(a, b):
+            return None if a is None else torch.where(cond.view(*cond.shape, *[1] * (a.dim() - 2)), a, b)
+        return Scores(pick(self.logprob, other.logprob), pick(self.rank, other.rank),
+                      pick(self.top_values, other.top_values), pick(self.top_ids, other.top_ids))
+
     def expand(self, width: int) -> "Scores":
         """[R, 1] -> [R, width] (the same scores at every position)."""
         def grow(t):

@@ -90,8 +90,7 @@ class StepEnv:
         ids = torch.arange(self.model.vocab_start, self.model.vocab_start + x.shape[-1], device=x.device)
         rows = torch.arange(x.shape[0], device=x.device)
         col = pos.clamp(0, x.shape[1] - 1)
-        words = t.grammar_bits[idx, 0][:, ids >> 5]                                       # [B, V_r]
-        allowed = ((words >> (ids & 31)) & 1).bool() | (pos < 0)[:, None]
+        allowed = allowed_ids(t.grammar_bits[idx, 0], ids) | (pos < 0)[:, None]          # [B, V_r]
         x[rows, col] = torch.where(allowed, x[rows, col], -torch.inf)
         if not spans:
             return
@@ -100,13 +99,18 @@ class StepEnv:
         k = torch.arange(x.shape[1], device=x.device) - pos[r][:, None]                    # [R, W]
         on = (pos[r] >= 0)[:, None] & (k >= 0) & (k < t.grammar_span[idx[r]][:, None])
         bits = t.grammar_bits[idx[r]]                                                     # [R, width, words]
-        words = bits.gather(1, k.clamp(0, width - 1)[..., None].expand(-1, -1, bits.shape[-1]))[..., ids >> 5]
-        allowed = ((words >> (ids & 31)) & 1).bool() | ~on[..., None]                      # [R, W, V_r]
+        words = bits.gather(1, k.clamp(0, width - 1)[..., None].expand(-1, -1, bits.shape[-1]))
+        allowed = allowed_ids(words, ids) | ~on[..., None]                                 # [R, W, V_r]
         x[r] = torch.where(allowed, x[r], -torch.inf)
 
     def observe(self, event: str, kind: str, idx: torch.Tensor, logits: torch.Tensor | None = None) -> None:
         if self.observer is not None:
             self.observer(event, kind, idx, logits)
+
+
+def allowed_ids(words: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Bits [..., words] (a bit per vocabulary id, 32 a word) -> [..., len(ids)]: whether each of `ids` is set."""
+    return ((words[..., ids >> 5] >> (ids & 31)) & 1).bool()
 
 
 class CanvasStep(Protocol):

@@ -33,14 +33,6 @@ def contains_eos(tokens: torch.Tensor, count: torch.Tensor, eos: torch.Tensor) -
     return (torch.isin(tokens, eos) & (j[None, :] < count[:, None])).any(-1)
 
 
-def choose(where: torch.Tensor, a: Scores, b: Scores) -> Scores:
-    """a's scores where `where` [R, P] (broadcast over positions and alternatives), b's elsewhere."""
-    def pick(x, y):
-        return None if x is None else torch.where(where.view(*where.shape, *[1] * (x.dim() - 2)), x, y)
-    return Scores(pick(a.logprob, b.logprob), pick(a.rank, b.rank), pick(a.top_values, b.top_values),
-                  pick(a.top_ids, b.top_ids))
-
-
 class MaskedCanvasStep:
     needs_prediction = True   # a new canvas's position 0 is the preceding causal pass's prediction
     takes_ar_rows = True      # AR rows may share its forward (above)
@@ -180,7 +172,7 @@ class MaskedCanvasStep:
         j >= 1, predicted at j - 1; an AR row its position 0's (docs/spec.md 6)."""
         t = self.env.slots
         kept = t.canvas_scores.read(slots, k)
-        canvas = choose(final[:, None] & revealed, scores, kept)
+        canvas = scores.where(final[:, None] & revealed, kept)
         seed = t.seed_scores.read(slots, k)
 
         def shift(a, b):
@@ -188,7 +180,7 @@ class MaskedCanvasStep:
 
         verified = Scores(shift(seed.logprob, scores.logprob), shift(seed.rank, scores.rank),
                           shift(seed.top_values, scores.top_values), shift(seed.top_ids, scores.top_ids))
-        return choose((is_commit | final)[:, None], canvas, choose(is_ar[:, None], scores, verified))
+        return canvas.where((is_commit | final)[:, None], scores.where(is_ar[:, None], verified))
 
     def _keep_scores(self, slots, revealed, is_commit, is_verify, accepted, scores: Scores) -> None:
         """Reveal-time scores: denoise rows keep those of the positions they revealed; a commit row keeps
