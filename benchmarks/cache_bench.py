@@ -47,7 +47,7 @@ import numpy as np
 from benchmarks import results
 from benchmarks.bench_prompts import FALLBACK_VOCAB, _round_trip_tokens, load_tokenizer, token_id_prompts
 from benchmarks.bench_stats import RequestResult
-from benchmarks.serve_bench import json_safe, request_body, send
+from benchmarks.serve_bench import json_safe, merge, request_body, send
 from benchmarks.server_process import REPO, ServerError, ServerProcess, scrape_metrics, tree_commit
 from benchmarks.traffic import FIRST_REQUEST
 
@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "tokenizer builds the conversations' text")
     p.add_argument("--workload", choices=(*WORKLOADS, "all"), default="all")
     p.add_argument("--seed", type=int, default=0, help="the words of the conversations, the running prompts' ids")
+    p.add_argument("--extra-body", type=json.loads, default={},
+                   help='JSON merged into every request of both workloads, e.g. \'{"diffusion": {"mode": "ar"}}\'')
     c = p.add_argument_group("conversations")
     c.add_argument("--conversations", type=_positive, default=8, help="chats run concurrently")
     c.add_argument("--turns", type=_positive, default=5, help="turns of each chat, in order")
@@ -164,9 +166,9 @@ def turn_messages(system: str, users: list[str], answers: list[str], turn: int) 
     return messages + [{"role": "user", "content": users[turn]}]
 
 
-def chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
-    return {"model": model, "messages": messages, "max_completion_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+def chat_body(model: str, messages: list[dict], max_tokens: int, extra: dict | None = None) -> dict:
+    return merge({"model": model, "messages": messages, "max_completion_tokens": max_tokens, "temperature": 0,
+                  "stream": True, "stream_options": {"include_usage": True}}, extra or {})
 
 
 # ---- the client --------------------------------------------------------------------------------------
@@ -236,7 +238,7 @@ async def send_chat(client: httpx.AsyncClient, url: str, body: dict) -> tuple[Re
 
 
 async def run_conversations(client: httpx.AsyncClient, base: str, model: str, plan: ConversationPlan,
-                            max_tokens: int, tokenizer=None) -> tuple[list[Turn], float]:
+                            max_tokens: int, tokenizer=None, extra: dict | None = None) -> tuple[list[Turn], float]:
     """Every conversation at once, each one's turns in order (a failed turn ends its conversation); the
     turns and the wall time."""
     url = base + "/v1/chat/completions"
@@ -247,7 +249,7 @@ async def run_conversations(client: httpx.AsyncClient, base: str, model: str, pl
         for k in range(len(users)):
             messages = turn_messages(plan.system, users, answers, k)
             sent = time.perf_counter() - t0
-            res, answer = await send_chat(client, url, chat_body(model, messages, max_tokens))
+            res, answer = await send_chat(client, url, chat_body(model, messages, max_tokens, extra))
             turns.append(Turn(c, k, sent, res, answer, messages=messages))
             if not res.ok:
                 break
@@ -348,9 +350,9 @@ async def run_long_prompt(client: httpx.AsyncClient, base: str, model: str, args
     url = base + "/v1/completions"
     rng = np.random.default_rng([args.seed, 2])
     running_opts = argparse.Namespace(random_output_len=args.running_max_tokens, temperature=0.0, ignore_eos=True,
-                                      extra_body={})
+                                      extra_body=args.extra_body)
     long_opts = argparse.Namespace(random_output_len=args.long_max_tokens, temperature=0.0, ignore_eos=True,
-                                   extra_body={})
+                                   extra_body=args.extra_body)
     t0 = time.perf_counter()
     stop = asyncio.Event()
     done: list[Running] = []
@@ -431,7 +433,8 @@ async def _on_server(server: ServerProcess, args: argparse.Namespace, workload: 
         before = await scrape_metrics(http, server.base, CACHE_METRICS)
         if workload == "conversations":
             turns, wall = await asyncio.wait_for(
-                run_conversations(http, server.base, cold["model"], plan, args.max_completion_tokens, tokenizer),
+                run_conversations(http, server.base, cold["model"], plan, args.max_completion_tokens, tokenizer,
+                                  args.extra_body),
                 args.workload_timeout)
             out = {"stats": conversation_stats(turns, wall),
                    "turns": [{"conversation": t.conversation, "turn": t.turn, "sent_s": t.sent_s, "ok": t.result.ok,
@@ -505,6 +508,7 @@ def figures(result: dict) -> dict[str, float | None]:
                 f"conversations_hit_rate_later_turns_{name}": s["hit_rate_later_turns"],
                 f"conversations_prefix_bound_rate_{name}": s["prefix_bound_rate"],
                 f"conversations_wall_s_{name}": s["wall_s"],
+                f"conversations_committed_tok_s_{name}": _ratio(s.get("completion_tokens"), s["wall_s"]),
                 f"conversations_failed_requests_{name}": s["failed"]}
         m = conv[name]["metrics"]
         q, h = m["dllm_prefix_cache_queries_total"], m["dllm_prefix_cache_hits_total"]
@@ -512,6 +516,8 @@ def figures(result: dict) -> dict[str, float | None]:
     for stat in ("mean", "p50", "p99"):
         out[f"conversations_ttft_{stat}_cached_over_uncached"] = _ratio(
             out.get(f"conversations_ttft_{stat}_s_cached"), out.get(f"conversations_ttft_{stat}_s_uncached"))
+    out["conversations_committed_tok_s_cached_over_uncached"] = _ratio(
+        out.get("conversations_committed_tok_s_cached"), out.get("conversations_committed_tok_s_uncached"))
     lp = result["workloads"].get("long-prompt", {})
     for name in ("chunked", "unchunked"):
         run = lp.get(name, {})
