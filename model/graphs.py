@@ -21,10 +21,17 @@ MIN_PREFILL_WIDTH = 16
 PREFILL_GRAPH_TOKENS = 4096
 
 
+DENSE_CAPTURE_SIZES = 8   # every batch size up to this one has its own graphs; past it, steps of this many
+
+
 def capture_sizes(num_slots: int) -> tuple[int, ...]:
-    """The batch sizes graphs are captured for: powers of two below num_slots, and num_slots."""
-    sizes = [1 << i for i in range(num_slots.bit_length()) if 1 << i < num_slots]
-    return tuple(sizes + [num_slots])
+    """The batch sizes graphs are captured for: every size up to DENSE_CAPTURE_SIZES, then its multiples
+    below num_slots, and num_slots. A padding row of a canvas step costs a whole row's experts and
+    attention, so six rows padded to eight would be priced as eight: at the small batches a diffusion
+    server runs, a graph a size costs less than the rows it would pad."""
+    dense = list(range(1, min(num_slots, DENSE_CAPTURE_SIZES) + 1))
+    steps = list(range(2 * DENSE_CAPTURE_SIZES, num_slots, DENSE_CAPTURE_SIZES))
+    return tuple(dict.fromkeys(dense + steps + [num_slots]))
 
 
 def padded_size(rows: int, sizes: tuple[int, ...]) -> int:

@@ -90,7 +90,7 @@ def test_the_graph_set_is_a_formula_of_sizes_and_buckets(family, tiny_nemotron, 
         report = runner.warm_up()
     C = runner.C
     sizes, buckets = capture_sizes(6), key_buckets(600 + C)
-    assert sizes == (1, 2, 4, 6) and report["capture_sizes"] == list(sizes)
+    assert sizes == (1, 2, 3, 4, 5, 6) and report["capture_sizes"] == list(sizes)
     prefills = sum(1 for b in sizes for w in prefill_widths(600 + C) if b * w <= PREFILL_GRAPH_TOKENS)
     tiers = 2 if family == "nemotron" else 1
     expected = {"canvas": len(sizes) * len(buckets) * 2, "prefill": prefills * tiers}
