@@ -203,6 +203,26 @@ TABLES: dict[str, Table] = {
         Row("  the long prompt's TTFT chunked / unchunked (s)",
             ("long_prompt_ttft_s_chunked", "long_prompt_ttft_s_unchunked"), ".3g", card="CPU"),
     )),
+    # docs/benchmarking.md: benchmarks/cache_bench.py on a GPU, the 8B's full-size shapes, every request in AR mode
+    "cache-bench-gpu": Table("Nemotron-LD 8B shapes, AR mode, 8 chats x 5 turns, 4k-token system prompt", (
+        Row("conversations: TTFT of turns 2.., mean / p50 / p99 with prefix caching on (s)",
+            ("conversations_ttft_mean_s_cached", "conversations_ttft_p50_s_cached", "conversations_ttft_p99_s_cached"),
+            ".3g", card="H100"),
+        Row("  off (s)", ("conversations_ttft_mean_s_uncached", "conversations_ttft_p50_s_uncached",
+                          "conversations_ttft_p99_s_uncached"), ".3g", card="H100"),
+        Row("  TTFT on / off: mean / p50 / p99",
+                  ("conversations_ttft_mean_cached_over_uncached", "conversations_ttft_p50_cached_over_uncached",
+                   "conversations_ttft_p99_cached_over_uncached"), ".3g", "<= 0.2", "H100"),
+        Row("  hit rate (cached / prompt tokens) on; turns 2.. alone", ("conversations_hit_rate_cached",
+                                                                        "conversations_hit_rate_later_turns_cached"),
+            ".3g", card="H100"),
+        Row("  committed tok/s on / off", ("conversations_committed_tok_s_cached", "conversations_committed_tok_s_uncached"),
+            ".3g", card="H100"),
+        Row("  committed tok/s on / off, their ratio", ("conversations_committed_tok_s_cached_over_uncached",),
+            ".3g", ">= 1.5", "H100"),
+        Row("long prompt (16k tokens): running requests' ITL p99 with it / without, chunked prefill",
+            ("long_prompt_itl_p99_ratio_chunked",), ".3g", "<= 2", "H100"),
+    )),
     # docs/benchmarking.md: benchmarks/kv_capacity.py, the scheduler's admission over each full-size layout
     "kv-capacity": Table("1k-token prompts, 128 tokens each, at once", tuple(
         Row(f"{name}, max_model_len {n}: 8 slots' memory, paged / a slot each",
