@@ -113,9 +113,16 @@ def wait_running(names: list[str], timeout_s: float) -> None:
         if all(name in status and status[name].status == "RUNNING" for name in names):
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"apps not running after {timeout_s} s: "
-                               f"{ {n: status[n].status for n in names if n in status} }")
+            raise TimeoutError(f"apps not running after {timeout_s} s: {_describe(status, names)}")
         time.sleep(0.2)
+
+
+def _describe(status: dict, names: list[str]) -> dict:
+    """Each app's status with each deployment's, its replicas' states and Serve's message (a replica whose
+    constructor is still running, one waiting for resources no node has)."""
+    return {n: (status[n].status, {d: (ds.status, dict(ds.replica_states), ds.message)
+                                   for d, ds in status[n].deployments.items()}) if n in status else "absent"
+            for n in names}
 
 
 def completions_url(port: int, app: str) -> str:
