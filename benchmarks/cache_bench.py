@@ -451,12 +451,16 @@ async def _on_server(server: ServerProcess, args: argparse.Namespace, workload: 
     return out
 
 
-def measure(args: argparse.Namespace) -> dict:
-    """Every workload against its two servers, each started cold and always stopped."""
+def new_result(args: argparse.Namespace) -> dict:
+    return {"date": datetime.now().astimezone().isoformat(timespec="seconds"), "model": str(args.model),
+            "commit": tree_commit(REPO), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "workloads": {}}
+
+
+def measure(args: argparse.Namespace, result: dict) -> dict:
+    """Every workload against its two servers, each started cold and always stopped; each server's run goes
+    into `result` as it ends (and is printed), so that a run stopped midway keeps what it measured."""
     tokenizer = load_tokenizer(str(args.model))
-    result = {"date": datetime.now().astimezone().isoformat(timespec="seconds"), "model": str(args.model),
-              "commit": tree_commit(REPO), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "workloads": {}}
     for workload in workloads(args):
         plan = None
         if workload == "conversations":
@@ -476,12 +480,11 @@ def measure(args: argparse.Namespace) -> dict:
             except (ServerError, TimeoutError) as err:
                 runs[name] = {"error": f"{type(err).__name__}: {err}"}
                 print(f"  failed: {runs[name]['error']}", file=sys.stderr, flush=True)
-            finally:
-                runs[name]["server_exit_status"] = server.stop()
-                runs[name]["server_args"] = argv
-                runs[name]["server_log"] = str(log)
-                runs[name]["wall_with_start_s"] = time.monotonic() - t
-        print(format_workload(workload, runs), flush=True)
+            finally:   # stopped midway (KeyboardInterrupt): the run says so, the server stops all the same
+                run = runs.setdefault(name, {"error": "stopped before it ended"})
+                run |= {"server_exit_status": server.stop(), "server_args": argv, "server_log": str(log),
+                        "wall_with_start_s": time.monotonic() - t}
+            print(format_workload(workload, {name: runs[name]}), flush=True)
     return result
 
 
@@ -571,11 +574,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     start = time.monotonic()
+    result, interrupted = new_result(args), False
     try:
-        result = measure(args)
-    except KeyboardInterrupt:
+        measure(args, result)
+    except KeyboardInterrupt:   # what the servers that ended measured is still saved
         print("interrupted: the servers are stopped", file=sys.stderr)
-        return 130
+        interrupted = True
     result["wall_s"] = time.monotonic() - start
     got = figures(result)
     for key in ("conversations_ttft_mean_cached_over_uncached", "long_prompt_itl_p99_ratio_chunked",
@@ -597,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{args.long_prompt_tokens} tokens, windows of {args.window_s:g} s")
         results.write(got, "cache_bench", results_dir=args.results_dir,
                       note=f"model {Path(args.model).name}; " + "; ".join(sizes))
+    if interrupted:
+        return 130
     failed = any("error" in run for runs in result["workloads"].values() for run in runs.values())
     return 1 if failed else 0
 

@@ -173,7 +173,7 @@ def _run(ttft: float, itl: float, long_ttft: float) -> dict:
 def _conversation(ttft: float, cached: int) -> dict:
     return {"stats": {"ttft_s": {"mean": ttft, "p50": ttft, "p99": 2 * ttft}, "prompt_tokens": 1000,
                       "cached_tokens": cached, "hit_rate": cached / 1000, "hit_rate_later_turns": cached / 800,
-                      "prefix_bound_rate": 0.5, "wall_s": 9.0, "failed": 0},
+                      "prefix_bound_rate": 0.5, "wall_s": 9.0 * ttft, "failed": 0, "completion_tokens": 320},
             "metrics": {"dllm_prefix_cache_queries_total": 1000.0, "dllm_prefix_cache_hits_total": float(cached)}}
 
 
@@ -189,8 +189,26 @@ def test_figures_name_every_figure_of_the_docs_table():
     assert got["conversations_ttft_mean_cached_over_uncached"] == 0.5 and got["conversations_metrics_hit_rate_cached"] == 0.6
     assert got["long_prompt_itl_p99_s_chunked_with_long"] == pytest.approx(0.6)
     assert got["long_prompt_itl_p99_ratio_unchunked"] == pytest.approx(3.0) and got["long_prompt_ttft_s_unchunked"] == 3.0
-    named = {k for row in TABLES["cache-bench"].rows for k in row.keys}
+    assert got["conversations_committed_tok_s_cached_over_uncached"] == pytest.approx(2.0)
+    named = {k for table in ("cache-bench", "cache-bench-gpu") for row in TABLES[table].rows for k in row.keys}
     assert named <= set(got)
     # a server that did not start: no figures of it, and no ratio
     failed = cb.figures({"workloads": {"conversations": {"cached": {"error": "x"}, "uncached": _conversation(1, 0)}}})
     assert "conversations_ttft_mean_s_cached" not in failed and failed["conversations_ttft_mean_cached_over_uncached"] is None
+
+
+def test_a_stopped_run_keeps_what_its_servers_measured(tmp_path, monkeypatch):
+    """Stopped (SIGTERM, a bounded GPU call's end) after one server ended: that server's run is saved, with
+    its figures in a result file, and the exit status says it was stopped."""
+    def one_server_then_stopped(args, result):
+        result["workloads"]["conversations"] = {"cached": _conversation(0.5, 600)}
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cb, "measure", one_server_then_stopped)
+    saved = tmp_path / "run.json"
+    status = cb.main(["--workload", "conversations", "--save-result", str(saved), "--results-dir", str(tmp_path)])
+    assert status == 130
+    assert json.loads(saved.read_text())["workloads"]["conversations"]["cached"]["stats"]["cached_tokens"] == 600
+    [result_file] = tmp_path.glob("*-cache_bench.json")
+    figures = json.loads(result_file.read_text())["figures"]
+    assert figures["conversations_ttft_mean_s_cached"] == 0.5 and "conversations_ttft_mean_s_uncached" not in figures
