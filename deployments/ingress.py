@@ -241,6 +241,12 @@ class OpenAIIngress:
         except ParamError as err:
             raise APIError(400, err.message, param=err.param) from None
         if constraint is not None:
+            # a stop would end the answer with "stop" wherever it matched, short of a whole valid text
+            cut = "stop" if body.stop_strings else "stop_token_ids" if body.stop_token_ids else None
+            if cut is not None:
+                raise APIError(400, f"{cut}: not with a constrained output ({constraint.field}): an answer ended by "
+                                    "it would be cut short of a whole valid text; the grammar ends the answer itself",
+                               param=cut)
             try:
                 grammar = await self.grammars.compile(constraint)
                 planned = [(prompt, param, p.model_copy(update={"grammar": grammar})) for prompt, param, p in planned]

@@ -624,6 +624,11 @@ def test_structured_output_errors_name_the_field(server):
         c.completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body={
             "structured_outputs": {"regex": "(a"}})
     assert err.value.body["param"] == "structured_outputs.regex", err.value.body
+    # a stop would cut a constrained answer short of a whole valid text, yet end it with "stop"
+    for extra, param in (({"stop": ["}"]}, "stop"), ({"extra_body": {"stop_token_ids": [7]}}, "stop_token_ids")):
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(response_format={"type": "json_object"}, **chat, **extra)
+        assert err.value.body["param"] == param and "response_format" in err.value.body["message"], err.value.body
 
 
 def test_diffusion_gemma_structured_output_over_http(server):
