@@ -163,8 +163,10 @@ class GrammarGuide:
                     p, prefix = 1, [last]
                 else:   # every causal prediction along the draft's valid run, the next seed's included
                     n = g.valid_prefix(canvas)
+                    # the seed was drawn under the grammar's mask: a run without it would verify unlimited
+                    assert n >= 1, f"slot {s}: the draft's seed {canvas[0]} is outside its grammar"
                     g.masks_along(canvas, bits[row, :n])
-                    p = 0 if n else -1
+                    p = 0
             elif phase == AR:
                 if emitted > g.emitted:   # one token a step, the prefill's first
                     g.commit([last])
