@@ -37,6 +37,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -477,8 +478,10 @@ def measure(args: argparse.Namespace, result: dict) -> dict:
             try:
                 server.start()
                 runs[name] = asyncio.run(_on_server(server, args, workload, tokenizer, plan))
-            except (ServerError, TimeoutError) as err:
+            except Exception as err:  # noqa: BLE001 - the server's failure, or ours: the next server runs all the same
                 runs[name] = {"error": f"{type(err).__name__}: {err}"}
+                if not isinstance(err, (ServerError, TimeoutError)):
+                    traceback.print_exc()
                 print(f"  failed: {runs[name]['error']}", file=sys.stderr, flush=True)
             finally:   # stopped midway (KeyboardInterrupt): the run says so, the server stops all the same
                 run = runs.setdefault(name, {"error": "stopped before it ended"})
@@ -600,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
             sizes.append(f"{args.running} running x {args.running_max_tokens} tokens, long prompt "
                          f"{args.long_prompt_tokens} tokens, windows of {args.window_s:g} s")
         results.write(got, "cache_bench", results_dir=args.results_dir,
-                      note=f"model {Path(args.model).name}; " + "; ".join(sizes))
+                      note=f"model {Path(args.model).name}; " + "; ".join(sizes)
+                      + ("; stopped midway: the servers that ended" if interrupted else ""))
     if interrupted:
         return 130
     failed = any("error" in run for runs in result["workloads"].values() for run in runs.values())

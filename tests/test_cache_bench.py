@@ -210,5 +210,7 @@ def test_a_stopped_run_keeps_what_its_servers_measured(tmp_path, monkeypatch):
     assert status == 130
     assert json.loads(saved.read_text())["workloads"]["conversations"]["cached"]["stats"]["cached_tokens"] == 600
     [result_file] = tmp_path.glob("*-cache_bench.json")
-    figures = json.loads(result_file.read_text())["figures"]
+    written = json.loads(result_file.read_text())
+    figures = written["figures"]
+    assert "stopped midway" in written["note"]
     assert figures["conversations_ttft_mean_s_cached"] == 0.5 and "conversations_ttft_mean_s_uncached" not in figures

@@ -79,6 +79,15 @@ def test_graph_plans_equal_exact_plans(family, tiny_nemotron, tiny_gemma):
         assert sum(report["graphs"].values()) == len(warmed)
 
 
+@pytest.mark.parametrize("slots,sizes", [(1, (1,)), (6, (1, 2, 3, 4, 5, 6)), (8, (1, 2, 3, 4, 5, 6, 7, 8)),
+                                          (9, (1, 2, 3, 4, 5, 6, 7, 8, 9)), (17, (1, 2, 3, 4, 5, 6, 7, 8, 16, 17)),
+                                          (40, (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40))])
+def test_capture_sizes_are_every_size_to_8_then_steps_of_8(slots, sizes):
+    """A batch pads to the next capture size; up to 8 rows it pads to none (a padding row costs a whole
+    row's experts and attention), past 8 to the next multiple of 8 or to max_num_seqs."""
+    assert capture_sizes(slots) == sizes
+
+
 @pytest.mark.parametrize("family", ["nemotron", "gemma"])
 def test_the_graph_set_is_a_formula_of_sizes_and_buckets(family, tiny_nemotron, tiny_gemma):
     """canvas and ar: sizes x buckets x 2; prefill: sizes x widths (rows x width within the budget) x 2, x 1

@@ -123,9 +123,10 @@ def test_every_kind_of_constraint_holds(engine, tokenizers, kind, value, valid, 
 
 def test_an_output_cut_at_max_tokens_is_a_valid_prefix(engine, tokenizers):
     g = grammar(tokenizers, "regex", "[a-z]{30,40}")
-    done = served.generate(engine, [prompt(7), prompt(8)], [
+    done = served.generate(engine, [prompt(7), prompt(8), prompt(9)], [
         DecodeParams(mode="diffusion", temperature=1.0, seed=1, max_tokens=5, grammar=g),
-        DecodeParams(mode="ar", temperature=1.0, seed=1, max_tokens=9, grammar=g)])
+        DecodeParams(mode="ar", temperature=1.0, seed=1, max_tokens=9, grammar=g),
+        DecodeParams(mode="linear_spec", max_tokens=7, grammar=g)])
     for r in done:
         assert r.finish_reason == "length"
         assert re.fullmatch("[a-z]*", check(r, g, tokenizers, None))
@@ -150,11 +151,13 @@ def probe_params(rng: random.Random) -> DecodeParams:
 
 def test_neighbours_of_constrained_requests_keep_their_tokens_and_logprobs(engine, tokenizers):
     """Batch isolation: unconstrained probes alone and beside constrained requests give the same tokens and
-    scores; a constrained probe too."""
+    scores; constrained probes (diffusion, linear speculation) too."""
     rng = random.Random(3)
     g = grammar(tokenizers, "json_schema", SCHEMA)
     probes = [(prompt(300 + i, rng.randint(3, 30)), probe_params(rng)) for i in range(4)]
     probes.append((prompt(310), DecodeParams(temperature=1.0, seed=5, max_tokens=48, logprobs=1, grammar=g)))
+    # and a constrained verify, limited at several draft positions in an eager step beside graphed rows' plans
+    probes.append((prompt(311), DecodeParams(mode="linear_spec", max_tokens=48, logprobs=1, grammar=g)))
     alone = [served.generate(engine, [p], [q])[0] for p, q in probes]
     neighbours = [(prompt(400 + i), DecodeParams(mode=m, policy=pol, temperature=1.0, seed=i, max_tokens=48,
                                                  grammar=g)) for i, (m, pol) in enumerate(MODES[:3])]
