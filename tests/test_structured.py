@@ -142,6 +142,42 @@ def test_ignore_eos_after_a_complete_text_writes_only_eos(engine, tokenizers):
     assert hf.decode(r.output[:end]) in CHOICES and all(x in llt.eos_tokens for x in r.output[end:])
 
 
+def test_constrained_logprobs_are_the_masked_renormalised_distribution(engine, tokenizers, monkeypatch):
+    """docs/spec.md 12: an AR token of a constrained request is scored by the model's distribution masked to
+    what its grammar allows (llguidance's mask of the text so far, computed here apart) and renormalised."""
+    import numpy as np
+    import torch
+    from llguidance.numpy import fill_next_token_bitmask
+
+    hf, llt = tokenizers
+    g = grammar(tokenizers, "regex", REGEX)
+    env = engine.shards.runner.env
+    raw, constrain = [], env._constrain
+
+    def spy(x, idx, spans):   # each causal pass's logits before the grammar limits them
+        raw.append(x[0, -1].float().clone())
+        constrain(x, idx, spans)
+
+    monkeypatch.setattr(env, "_constrain", spy)
+    [r] = served.generate(engine, [prompt(21)], [DecodeParams(mode="ar", temperature=1.0, seed=7, max_tokens=12,
+                                                              logprobs=0, grammar=g)])
+    monkeypatch.undo()
+    assert r.finish_reason == "stop" and len(raw) >= len(r.output)
+    matcher = llguidance.LLMatcher(llt, g.text)
+    bits = np.zeros((1, (llt.vocab_size + 31) // 32), dtype=np.int32)
+    renormalised = 0
+    for i, token in enumerate(r.output):
+        fill_next_token_bitmask(matcher, bits, 0)
+        ids = torch.arange(raw[i].shape[0])
+        allowed = ((torch.from_numpy(bits[0]).long()[ids >> 5] >> (ids & 31)) & 1).bool()
+        x = raw[i]
+        expected = x[token] - torch.logsumexp(x[allowed], -1)
+        assert allowed[token] and r.logprobs[i] == pytest.approx(expected.item(), abs=1e-5), i
+        renormalised += expected.item() > torch.log_softmax(x, -1)[token].item() + 1e-3
+        matcher.consume_token(token)
+    assert renormalised >= len(r.output) // 2   # the mask mattered: the scores are not the model's own
+
+
 def probe_params(rng: random.Random) -> DecodeParams:
     mode = rng.choice(["diffusion", "ar"])
     return DecodeParams(mode=mode, temperature=rng.choice([0, 1.0]), seed=rng.randrange(1000), max_tokens=rng.randint(9, 60),
