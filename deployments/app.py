@@ -58,7 +58,8 @@ def build_app(args: dict):
     if a.enable_prefix_caching and a.prefix_routing:   # routing that follows each replica's cache
         scaling["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixAffinityRouter, request_routing_stats_period_s=ROUTING_STATS_S,
-            request_router_kwargs={"page_size": PAGE_SIZE, "salt": engine_args["cache_salt"].decode()})
+            request_router_kwargs={"page_size": PAGE_SIZE, "salt": engine_args["cache_salt"].decode(),
+                                   "imbalance": a.max_num_seqs})
     coordinator = CoordinatorDeployment.options(
         **scaling, placement_group_bundles=bundles, placement_group_strategy=a.placement_strategy,
         ray_actor_options={"num_cpus": REPLICA_BUNDLE["CPU"]},

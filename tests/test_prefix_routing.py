@@ -108,6 +108,8 @@ def test_a_warm_prompt_goes_where_its_pages_are_unless_that_replica_is_overloade
     assert ranked == [[b], [a]]                      # the longer cached prefix, within the imbalance
     ranked = asyncio.run(router({"a": 0, "b": 3}).choose_replicas([a, b], pending(prompt)))
     assert ranked[0] == [a]                          # past it: the less loaded holder
+    ranked = asyncio.run(router({"a": 10, "b": 13}).choose_replicas([a, b], pending(prompt)))
+    assert ranked == [[b], [a]]                      # past it, yet under 1.5 times the least: still b
     request = pending(prompt)
     asyncio.run(router({"a": 0, "b": 0}).choose_replicas([a, b], request))
     assert request.routing_context.should_backoff

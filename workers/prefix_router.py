@@ -2,8 +2,11 @@
 
 A `generate` call goes to the replica that holds the longest run of its prompt's leading full pages:
 what each replica reports of its cache (`record_routing_stats`, refreshed every few seconds) and what
-this router sent it since (which the next report will hold). Only replicas within `imbalance` queued
-requests of the least loaded are candidates, so an uneven load still spreads; ties and cold prompts go
+this router sent it since (which the next report will hold). A holder is passed over only once it has
+more than `imbalance` requests (a replica's batch, by default) beyond the least loaded and over `ratio`
+times as many, so an uneven load still spreads while a few requests more, which join the holder's running
+batch, do not cost a conversation its cache (vLLM's and SGLang's cache-aware routers keep the same two
+conditions); ties and cold prompts go
 by rendezvous hashing on the prompt's deepest full page, so every ingress replica picks alike, a prompt's
 choices stay together, and cold conversations spread. Other calls (stats, health) go to the less
 loaded of two. Ray's own PrefixCacheAffinityRouter matches characters of a text prompt; our calls carry
@@ -40,12 +43,14 @@ def _rendezvous(key: bytes, replica: RunningReplica) -> bytes:
 
 
 class PrefixAffinityRouter(RequestRouter):
-    def initialize_state(self, page_size: int = 16, salt: str = "", imbalance: int = 4, recent_s: float = 30.0) -> None:
-        """page_size, salt: the replicas' (their pages' addresses); imbalance: how many more queued requests
-        than the least loaded replica a cache holder may have and still be chosen; recent_s: how long a page
-        this router sent a replica counts as held there without its report."""
+    def initialize_state(self, page_size: int = 16, salt: str = "", imbalance: int = 8, ratio: float = 1.5,
+                         recent_s: float = 30.0) -> None:
+        """page_size, salt: the replicas' (their pages' addresses); imbalance, ratio: a cache holder is
+        passed over when it has more than `imbalance` requests beyond the least loaded replica and more than
+        `ratio` times its count; recent_s: how long a page this router sent a replica counts as held there
+        without its report."""
         self.page_size, self.salt = page_size, salt.encode()
-        self.imbalance, self.recent_s = imbalance, recent_s
+        self.imbalance, self.ratio, self.recent_s = imbalance, ratio, recent_s
         self.sent: dict[object, OrderedDict[int, float]] = {}   # replica id -> page -> when sent
         self.reported: dict[object, tuple[int, frozenset[int]]] = {}   # replica id -> (stats' id, its pages)
 
@@ -93,7 +98,8 @@ class PrefixAffinityRouter(RequestRouter):
             return n
 
         least = min(self._queue(r) for r in replicas)
-        near = [r for r in replicas if self._queue(r) <= least + self.imbalance]
+        near = [r for r in replicas
+                if self._queue(r) <= least + self.imbalance or self._queue(r) <= least * self.ratio]
         best = max(near, key=lambda r: (cached(r), _rendezvous(key, r)))
         rest = sorted((r for r in replicas if r is not best), key=self._queue)
         return [[best], rest] if rest else [[best]]
