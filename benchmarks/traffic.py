@@ -484,8 +484,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     try:
         result = measure(opts)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:   # the phases that ended were saved as they ended: their figures still count
         print(f"interrupted: the server is stopped; what was measured is in {opts.out}", file=sys.stderr)
+        if opts.results_dir is not None and opts.out.is_file():
+            partial = json.loads(opts.out.read_text())
+            if any(v is not None for v in figures(partial).values()):
+                results.write(figures(partial), "traffic", commit=partial["server_commit"],
+                              results_dir=opts.results_dir, note="stopped midway: the phases that ended")
         return 130
     except ServerError as err:
         print(f"the server did not start: {err}", file=sys.stderr)

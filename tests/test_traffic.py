@@ -272,6 +272,26 @@ def test_rows_from_synthetic_phases():
     assert "T nemotron-ld: the server did not start" in table and "P1 Nemotron-LD 8B" in table
 
 
+def test_a_stopped_run_writes_the_figures_of_the_phases_that_ended(tmp_path, monkeypatch):
+    """A bounded GPU call's end (SIGTERM) mid-run: the phases saved as they ended give a result file that
+    says it was stopped, and the exit status says so too."""
+    def stopped(opts):
+        result = {"family": "nemotron-ld", "server_commit": "abc1234", "cold_start": {"health_200_s": 50.0},
+                  "phases": {"homogeneous": _phase(1000, 1000, 1500, 70_010.0, 0.0, passes=200, forwards=1400)},
+                  "seed": {}}
+        result["rows"] = traffic.derive(result, opts.seed_levels)
+        traffic.save(result, opts.out)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(traffic, "measure", stopped)
+    status = traffic.main(["--family", "nemotron-ld", "--out", str(tmp_path / "t.json"), "--results-dir", str(tmp_path)])
+    assert status == 130
+    [written] = [json.loads(f.read_text()) for f in tmp_path.glob("*-traffic.json")]
+    assert "stopped midway" in written["note"] and written["commit"] == "abc1234"
+    assert written["figures"]["traffic.nemotron-ld.cold_start_health_200_s"] == 50.0
+    assert written["figures"]["traffic.nemotron-ld.homogeneous_tok_s"] > 0
+
+
 def test_the_soak_fits_within_its_bound(monkeypatch):
     """--within shortens the soak to what the start leaves of it, less the reserve, never below
     MIN_SOAK_S; without it (or with room to spare) the soak is --seconds."""
