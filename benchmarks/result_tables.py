@@ -36,6 +36,8 @@ TABLES: dict[str, Table] = {
         Row("Nemotron-LD 8B, mixed / homogeneous committed tok/s at concurrency 8",
             (f"traffic.{NL}.mixed_over_homogeneous",), card="H100"),
         Row("Nemotron-LD 8B, seed workload served: tok/s at concurrency 1 / 8", seed(NL, (1, 8)), TOK, card="H100"),
+        Row("Nemotron-LD 8B, 8 chats of 5 turns on a 4k-token system prompt: committed tok/s, prefix caching "
+            "on / off", ("conversations_committed_tok_s_cached_over_uncached",), ".3g", card="H100"),
         Row("Nemotron-LD 8B, served / bare denoising-step rate", (f"served.{NL}.P2",)),
         Row("DiffusionGemma 26B-A4B, bare runner / transformers' generate, 256 / 768 new tokens",
             (f"bf16.{DG}.over_transformers.n256", f"bf16.{DG}.over_transformers.n768"), ".3g"),
