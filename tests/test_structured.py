@@ -132,10 +132,12 @@ def test_an_output_cut_at_max_tokens_is_a_valid_prefix(engine, tokenizers):
         assert re.fullmatch("[a-z]*", check(r, g, tokenizers, None))
 
 
-def test_ignore_eos_after_a_complete_text_writes_only_eos(engine, tokenizers):
+@pytest.mark.parametrize("mode", ["diffusion", "ar", "linear_spec"])
+def test_ignore_eos_after_a_complete_text_writes_only_eos(engine, tokenizers, mode):
     g = grammar(tokenizers, "choice", CHOICES)
-    [r] = served.generate(engine, [prompt(9)], [DecodeParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True,
-                                                              grammar=g)])
+    temperature = 0 if mode == "linear_spec" else 1.0   # linear speculation is greedy
+    [r] = served.generate(engine, [prompt(9)], [DecodeParams(mode=mode, temperature=temperature, seed=3, max_tokens=40,
+                                                              ignore_eos=True, grammar=g)])
     hf, llt = tokenizers
     assert len(r.output) == 40 and r.finish_reason == "length"
     end = next(i for i, x in enumerate(r.output) if x in llt.eos_tokens)
@@ -282,6 +284,25 @@ def test_a_speculative_verify_limits_every_draft_position(engine, tokenizers, va
         assert a.output == b.output and a.finish_reason == "stop"
     per_verify = sum(len(r.output) for r in spec) / sum(r.denoising_steps for r in spec)
     assert per_verify >= 1.5, per_verify
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_a_constrained_canvas_takes_at_most_n_plus_c_steps(engine, gemma, tokenizers, family):
+    """docs/spec.md 12: a refused token is masked again (masked diffusion) or the canvas may not converge
+    yet (uniform noise, until its run is pinned from step N on), so a constrained canvas may take more than
+    its N steps, at most N + C; on the tiny random models some do take more."""
+    e, toks = (engine, tokenizers) if family == "nemotron" else gemma
+    C, N = e.shards.runner.C, 4
+    g = grammar(toks, "json_schema", SCHEMA)
+    done = served.generate(e, [prompt(900 + s) for s in SEEDS], [
+        DecodeParams(temperature=1.0, seed=s, max_tokens=3 * C, max_denoising_steps=N, grammar=g) for s in SEEDS])
+    over = 0
+    for r in done:
+        check(r, g, toks, json_valid if r.finish_reason == "stop" else None)
+        canvases = -(-len(r.output) // C)
+        assert r.denoising_steps <= canvases * (N + C), (r.denoising_steps, canvases)
+        over += r.denoising_steps > canvases * N
+    assert over, "no canvas needed more than its N steps: the bound was not exercised"
 
 
 def test_a_complete_grammar_takes_only_eos_after_it(tokenizers):
