@@ -125,6 +125,17 @@ def _describe(status: dict, names: list[str]) -> dict:
             for n in names}
 
 
+def ray_log_tails(patterns: tuple[str, ...] = ("serve/*.log", "runtime_env*.log", "raylet.err", "worker-*.err"),
+                  lines: int = 15, files: int = 12) -> str:
+    """The last lines of this Ray session's logs matching `patterns` (newest files first): what a replica,
+    the runtime-env agent or a worker said while a deployment did not come up."""
+    root = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    found = sorted({f for pattern in patterns for f in root.glob(pattern) if f.is_file()},
+                   key=lambda f: f.stat().st_mtime, reverse=True)[:files]
+    return "\n".join(f"== {f.relative_to(root)}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-lines:])
+                     for f in found)
+
+
 def completions_url(port: int, app: str) -> str:
     return f"http://127.0.0.1:{port}/{app}/v1/completions"
 

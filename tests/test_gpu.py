@@ -183,7 +183,7 @@ def test_serve_app_on_gpu(tiny_nemotron):
     from ray import serve
 
     from deployments.app import build_app
-    from tests.serve_harness import start_serve, stop_serve, wait_running
+    from tests.serve_harness import ray_log_tails, start_serve, stop_serve, wait_running
 
     def metrics(port) -> dict:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
@@ -194,7 +194,10 @@ def test_serve_app_on_gpu(tiny_nemotron):
         serve._run(build_app({"model": str(tiny_nemotron), "served_model_name": "tiny", "device": "cuda",
                               "dtype": "bfloat16", "max_model_len": 512}), name="gpu", route_prefix="/",
                    _blocking=False)
-        wait_running(["gpu"], 300)   # bounded, naming each deployment's state and Serve's message
+        try:   # bounded, naming each deployment's state and Serve's message, and what Ray's logs said
+            wait_running(["gpu"], 300)
+        except TimeoutError as err:
+            raise TimeoutError(f"{err}\n{ray_log_tails()}") from None
         ready = metrics(port)
         assert ready["dllm_cuda_graphs"] > 100 and ready["dllm_cuda_graph_memory_bytes"] > 0
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
