@@ -135,6 +135,7 @@ def test_a_conversation_sends_calls_and_their_results_back(clients):
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
+    ({"tools": TOOLS, "tool_choice": "required", "stop": ["}"]}, "stop"),   # a stop could cut a call short
 ])
 def test_bad_tool_requests_are_400s_naming_the_field(clients, body, param):
     with pytest.raises(openai.BadRequestError) as err:
