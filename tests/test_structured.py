@@ -180,6 +180,23 @@ def test_constrained_logprobs_are_the_masked_renormalised_distribution(engine, t
     assert renormalised >= len(r.output) // 2   # the mask mattered: the scores are not the model's own
 
 
+def test_a_constrained_request_from_the_prefix_cache_gives_what_it_gives_cold(tiny_nemotron, tokenizers):
+    """The grammar follows the output, the cache only the prompt: served twice from an engine that caches
+    (the second time its prompt's pages from the cache), a constrained request gives its cold answer."""
+    g = grammar(tokenizers, "json_schema", SCHEMA)
+    prompts = [prompt(40 + i, 40) for i in range(3)]
+    params = [DecodeParams(mode=m, policy=p, temperature=0 if m == "linear_spec" else 1.0, seed=i, max_tokens=48,
+                           logprobs=1, grammar=g)
+              for i, (m, p) in enumerate([("diffusion", "threshold"), ("ar", "threshold"), ("linear_spec", "threshold")])]
+    with Engine(tiny_nemotron, num_slots=8, max_model_len=512) as e:
+        first = served.generate(e, prompts, params)
+        again = served.generate(e, prompts, params)
+        assert e.scheduler.pages.hits >= sum((len(p) - 1) // 16 * 16 for p in prompts)
+    for f, a in zip(first, again):
+        check(a, g, tokenizers, json_valid if a.finish_reason == "stop" else None)
+        served.assert_same_answer(a, f)
+
+
 def probe_params(rng: random.Random) -> DecodeParams:
     mode = rng.choice(["diffusion", "ar"])
     return DecodeParams(mode=mode, temperature=rng.choice([0, 1.0]), seed=rng.randrange(1000), max_tokens=rng.randint(9, 60),
