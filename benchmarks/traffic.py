@@ -475,6 +475,16 @@ def save(result: dict, path: Path) -> None:
     path.write_text(json.dumps(json_safe(result), indent=1, allow_nan=False, default=str))
 
 
+def write_result(opts: argparse.Namespace, result: dict, stopped: bool = False) -> None:
+    """The result's figures as a result file, where --results-dir is set (a stopped run's: only where some
+    phase ended, its note saying so)."""
+    got = figures(result)
+    if opts.results_dir is None or (stopped and all(v is None for v in got.values())):
+        return
+    results.write(got, "traffic", commit=result["server_commit"], results_dir=opts.results_dir,
+                  note="stopped midway: the phases that ended" if stopped else "")
+
+
 def _terminate(signum, frame):
     raise KeyboardInterrupt   # the server is stopped on the way out
 
@@ -486,19 +496,15 @@ def main(argv: list[str] | None = None) -> int:
         result = measure(opts)
     except KeyboardInterrupt:   # the phases that ended were saved as they ended: their figures still count
         print(f"interrupted: the server is stopped; what was measured is in {opts.out}", file=sys.stderr)
-        if opts.results_dir is not None and opts.out.is_file():
-            partial = json.loads(opts.out.read_text())
-            if any(v is not None for v in figures(partial).values()):
-                results.write(figures(partial), "traffic", commit=partial["server_commit"],
-                              results_dir=opts.results_dir, note="stopped midway: the phases that ended")
+        if opts.out.is_file():
+            write_result(opts, json.loads(opts.out.read_text()), stopped=True)
         return 130
     except ServerError as err:
         print(f"the server did not start: {err}", file=sys.stderr)
         return 2
     print(format_table(result))
     print(f"Results: {opts.out}\nServer log: {opts.log}")
-    if opts.results_dir is not None:
-        results.write(figures(result), "traffic", commit=result["server_commit"], results_dir=opts.results_dir)
+    write_result(opts, result)
     return 0
 
 

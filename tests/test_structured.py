@@ -170,6 +170,7 @@ def test_constrained_logprobs_are_the_masked_renormalised_distribution(engine, t
     renormalised = 0
     for i, token in enumerate(r.output):
         fill_next_token_bitmask(matcher, bits, 0)
+        # the bits unpacked here, not by model/steps/env.allowed_ids: apart from the code under test
         ids = torch.arange(raw[i].shape[0])
         allowed = ((torch.from_numpy(bits[0]).long()[ids >> 5] >> (ids & 31)) & 1).bool()
         x = raw[i]
