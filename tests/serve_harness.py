@@ -31,12 +31,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_serve(attempts: int = 5) -> int:
+def start_serve(attempts: int = 5, env_vars: dict | None = None) -> int:
     """A local Ray and a Serve proxy on a free port. The port is free when picked but may be taken before
     the proxy binds it (Ray's own workers open ephemeral ports meanwhile): then another port is tried.
-    On failure nothing is left running (the next test's ray.init must not find this one's)."""
+    On failure nothing is left running (the next test's ray.init must not find this one's).
+    `env_vars` default to one thread a CPU shard; `{}` starts Ray with no runtime env at all (GPU tests:
+    the thread count is a CPU knob, and the GPU host's offline Ray may have no runtime-env agent)."""
+    env_vars = {"DLLM_SHARD_THREADS": "1"} if env_vars is None else env_vars
     ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"DLLM_SHARD_THREADS": "1"}})
+             runtime_env={"env_vars": env_vars} if env_vars else None)
     for attempt in range(attempts):
         port = free_port()
         try:

@@ -189,7 +189,7 @@ def test_serve_app_on_gpu(tiny_nemotron):
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
         return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
-    port = start_serve()
+    port = start_serve(env_vars={})
     try:
         serve._run(build_app({"model": str(tiny_nemotron), "served_model_name": "tiny", "device": "cuda",
                               "dtype": "bfloat16", "max_model_len": 512}), name="gpu", route_prefix="/",
