@@ -553,3 +553,35 @@ def test_cuda_cached_and_chunked_prefills_equal_cold_bit_for_bit(family, tiny_ne
     for a, c, ref in zip(again, chunked, cold):
         same(a, ref)
         same(c, ref)
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_served_shapes_compile_nothing_after_warm_up(family, tiny_nemotron, tiny_gemma):
+    """After warm-up, what users send compiles no kernel: fresh prompts, prompts past a cached prefix at
+    widths that are and are not multiples of 16, a long prompt prefilled in chunks, in every mode. A
+    compile inside a served step stalls the whole replica for about a second (the first time a shape
+    comes), so the warm-up must have compiled every variant the served shapes reach."""
+    from model.compile_watch import CompileWatch
+    from model.sampling.params import DecodeParams
+    from workers.engine import Engine
+
+    model_dir, vocab = (tiny_nemotron, 900) if family == "nemotron" else (tiny_gemma, 500)
+    rng = random.Random(5)
+    words = lambda n: [rng.randrange(10, vocab) for _ in range(n)]   # noqa: E731
+    modes = [DecodeParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)]
+    if family == "nemotron":
+        modes += [DecodeParams(temperature=0, max_tokens=20, ignore_eos=True, mode="ar"),
+                  DecodeParams(temperature=0, max_tokens=24, ignore_eos=True, mode="linear_spec", logprobs=1)]
+    with Engine(model_dir, num_slots=4, max_model_len=512, device="cuda", dtype="bfloat16", prefill_chunk=96) as e:
+        e.shards.runner.warm_up()
+        base = [2] + words(70)
+        with CompileWatch() as watch:
+            served.generate(e, [base], modes[0])                    # fresh, graphed
+            for extra in (1, 7, 16, 23, 40, 77):                    # past the cached prefix, one at a time
+                for params in modes:
+                    served.generate(e, [base + words(extra)], params)
+            served.generate(e, [base + words(230)], modes[0])       # chunks of 96 past a cached prefix
+            served.generate(e, [[2] + words(300)] * 2, modes[-1])   # two long prompts, fresh then continued
+        runner = e.shards.runner
+        print(f"{family}: eager steps after warm-up {runner.graphs.eager_steps if runner.graphs else None}; {watch.summary()}")
+    assert not watch.compiled, watch.summary()

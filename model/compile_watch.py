@@ -1,0 +1,61 @@
+"""The kernels this process compiles while a block runs: triton JIT variants (our kernels; a new variant
+of one comes from a new constexpr or a new specialization of an integer argument, e.g. a width that is
+or is not a multiple of 16) and torch.compile graphs (the fused chains, the compiled updates).
+
+After warm-up a replica should compile nothing: a compile inside a served step stalls every request of
+the replica for its duration (a triton variant takes about a second, an inductor graph longer), which a
+user sees as a TTFT or inter-token outlier the first time a shape comes. Tests and benchmarks use this
+to list what compiled, with how long each took.
+"""
+from __future__ import annotations
+
+import time
+
+
+def _dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class CompileWatch:
+    """with CompileWatch() as w: ... -> w.kernels [(triton kernel's name, seconds)], w.graphs (torch.compile
+    graphs compiled). Chains any hooks already installed, and restores them on exit."""
+
+    def __init__(self):
+        self.kernels: list[tuple[str, float]] = []
+        self.graphs = 0
+        self._started: float | None = None
+
+    def __enter__(self) -> "CompileWatch":
+        from triton import knobs
+
+        self._before, self._after = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+
+        def before(**kw):   # a variant missing from the in-memory cache is about to compile (or load)
+            self._started = time.perf_counter()
+            return self._before(**kw) if self._before else None
+
+        def after(**kw):
+            took = time.perf_counter() - self._started if self._started is not None else 0.0
+            self.kernels.append((kw["repr"].split("[", 1)[0], took))
+            self._started = None
+            return self._after(**kw) if self._after else None
+
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
+        self._graphs = _dynamo_graphs()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from triton import knobs
+
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
+        self.graphs = _dynamo_graphs() - self._graphs
+
+    @property
+    def compiled(self) -> bool:
+        return bool(self.kernels) or self.graphs > 0
+
+    def summary(self) -> str:
+        kernels = ", ".join(f"{name} {took:.2f} s" for name, took in self.kernels) or "none"
+        return f"triton variants: {kernels}; torch.compile graphs: {self.graphs}"
