@@ -24,8 +24,8 @@ from model.drafts import DraftBuffer
 from model.families import FAMILIES
 from model.grammar.guide import GrammarGuide
 from model.grammar.tokenizer import grammar_tokenizer
-from model.graphs import (PREFILL_GRAPH_TOKENS, StepGraphs, bucket, capture_sizes, key_buckets, padded_size,
-                          prefill_width, prefill_widths)
+from model.graphs import (MIN_PREFILL_WIDTH, PREFILL_GRAPH_TOKENS, StepGraphs, bucket, capture_sizes, key_buckets,
+                          padded_size, prefill_width, prefill_widths)
 from model.interface import DiffusionLM
 from model.kv_budget import ahead_positions, memory_budget, pool_pages, sliding_pages
 from model.outputs import CommandOutputs
@@ -398,15 +398,21 @@ class Runner:
         if self.graphs is not None and self.observer is None and fresh:
             rows = padded_size(len(slots), self.sizes)
             width = prefill_width(longest, rows, self.kv.max_len)
-        if width is None:   # eager, at the chunks' own width
+        scored = self.canvas_step.needs_prediction and any(i.wants_scores for i in infos)
+        if width is None:   # eager
             self._count_eager()
-            kv_len = longest if fresh else bucket(max(r.end for r in runs), self.kv.max_len)
-            plan = self.plan(slots, kv_len)
-            host = self._prefill_inputs(runs, infos, plan, longest)
+            width = longest
+            if self.graphs is not None and self.observer is None:
+                # the graph set's kernel variants only (a variant compiled mid-service stalls the replica):
+                # a width of whole MIN_PREFILL_WIDTH tiles, the graphs' plan (every pass on)
+                width = -(-longest // MIN_PREFILL_WIDTH) * MIN_PREFILL_WIDTH
+            kv_len = width if fresh else bucket(max(r.end for r in runs), self.kv.max_len)
+            plan = self._eager_plan(slots, kv_len, scored)
+            host = self._prefill_inputs(runs, infos, plan, width)
             self._prefill_step(plan, fresh)(*(h.to(self.device, non_blocking=True) for h in host))
             return
         pad = rows - len(slots)
-        plan = graph_plan(rows, width, self.canvas_step.needs_prediction and any(i.wants_scores for i in infos))
+        plan = graph_plan(rows, width, scored)
         host = self._prefill_inputs(runs + [None] * pad, infos + [None] * pad, plan, width)
         key = ("prefill", plan)
         self.graphs.run(key, self._prefill_step(plan), *self.graphs.static_inputs(key, *host))
@@ -443,7 +449,7 @@ class Runner:
         if self.graphs is None or self.observer is not None or spans:
             if self.graphs is not None and spans:
                 self._count_eager()
-            plan = self.plan(slots, kv_len)
+            plan = self._eager_plan(slots, kv_len, any(self.slots.info[s].wants_scores for s in slots))
             if spans:
                 plan = dataclasses.replace(plan, spans=tuple(r for r, s in enumerate(slots) if s in spans))
             step(plan, self.slots.device_index(slots), self.slots.device_index(list(plan.scored)))
@@ -452,6 +458,14 @@ class Runner:
         key, run, inputs = self._step_graph(kind, step, slots + [self.slots.pad] * (rows - len(slots)), kv_len,
                                             any(self.slots.info[s].wants_scores for s in slots))
         self.graphs.run(key, run, *inputs)
+
+    def _eager_plan(self, slots: list[int], kv_len: int, scored: bool) -> RowPlan:
+        """An eager step's plan: exact without graphs; on a graphed runner (observers aside) the graphs'
+        (every pass on, the same tokens and scores: model/steps/plan.py), whose kernels' compile-time flags
+        the warm-up compiled."""
+        if self.graphs is None or self.observer is not None:
+            return self.plan(slots, kv_len)
+        return graph_plan(len(slots), kv_len, scored)
 
     def _step_graph(self, kind: str, step, idx: list[int], kv_len: int, scored: bool):
         """The graph key, the step and its static inputs for rows idx (padding included)."""

@@ -4,8 +4,8 @@ under CUDA graphs; real graphs (captured, replayed) are tests/test_gpu.py's."""
 import pytest
 import torch
 
-from model.graphs import KEY_BUCKET, PREFILL_GRAPH_TOKENS, StepGraphs, prefill_width
-from model.sampling.params import DecodeParams
+from model.graphs import KEY_BUCKET, MIN_PREFILL_WIDTH, PREFILL_GRAPH_TOKENS, StepGraphs, prefill_width
+from model.sampling.params import MAX_LOGPROBS, DecodeParams
 from tests import served
 from workers.engine import Engine
 
@@ -50,11 +50,48 @@ def test_padded_prefill_equals_unpadded(family, tiny_nemotron, tiny_gemma):
         assert g.top_ids == e.top_ids
 
 
-def test_a_long_prefill_is_not_padded(tiny_nemotron):
-    """Past PREFILL_GRAPH_TOKENS (rows x width) a prefill runs eagerly at its prompts' own width."""
+def test_a_long_prefill_is_not_graphed(tiny_nemotron):
+    """Past PREFILL_GRAPH_TOKENS (rows x width) a prefill runs eagerly (at whole 16-token tiles: below)."""
     rows = 2
     long = PREFILL_GRAPH_TOKENS // rows + 1
     with Engine(tiny_nemotron, num_slots=rows, max_model_len=long + 64, prefill_chunk=rows * long) as e:
         e.shards.runner.graphs = graphs = EagerGraphs()
         e.generate([[1] + [7] * (long - 1)] * rows, DecodeParams(max_tokens=1, ignore_eos=True))
     assert not [key for key in graphs.graphs if key[0] == "prefill"]
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_eager_prefills_of_a_graphed_runner_take_whole_tiles_and_the_graphs_plan(family, tiny_nemotron, tiny_gemma):
+    """A graphed runner's prefills outside the graph set (past a cached prefix, a long prompt's later
+    chunks, one too wide for a graph) run at a multiple of MIN_PREFILL_WIDTH with the graphs' plan (every
+    pass on): the kernel variants the warm-up compiled, never a new one mid-service (tests/test_gpu.py
+    watches the compiles). In fp32 they give the tokens and logprobs of the runner without graphs."""
+    model_dir, bos = (tiny_nemotron, 1) if family == "nemotron" else (tiny_gemma, 2)
+    base = [bos] + [40 + 3 * i for i in range(39)]
+    prompts = [base, base + [7, 8, 9, 10, 11, 12, 13], base + list(range(300, 323)), [bos] + list(range(100, 250))]
+    params = DecodeParams(seed=3, max_tokens=20, ignore_eos=True, logprobs=2)
+
+    def generate(graphs):
+        seen = []
+        with Engine(model_dir, num_slots=2, max_model_len=256, dtype="float32", prefill_chunk=64) as e:
+            runner = e.shards.runner
+            runner.graphs, prefill = graphs, runner.causal.prefill
+
+            def spy(plan, idx, scored, tokens, starts, lengths, modes, fresh=True):
+                seen.append((fresh, tokens.shape[1], plan, lengths.max().item()))
+                return prefill(plan, idx, scored, tokens, starts, lengths, modes, fresh=fresh)
+
+            runner.causal.prefill = spy
+            served_ = [served.generate(e, [p], [params])[0] for p in prompts]
+            assert e.scheduler.pages.hits > 0
+        return served_, seen
+
+    (got, seen), (expected, _) = generate(EagerGraphs()), generate(None)
+    eager = [(width, plan, longest) for fresh, width, plan, longest in seen if not fresh]
+    assert len(eager) >= 4 and any(longest % MIN_PREFILL_WIDTH for _, _, longest in eager)
+    for width, plan, longest in eager:
+        assert width % MIN_PREFILL_WIDTH == 0 and longest <= width < longest + MIN_PREFILL_WIDTH
+        assert plan.filters and plan.sampling and plan.top_logprobs in (0, MAX_LOGPROBS)
+    for g, e in zip(got, expected):   # logprobs within fp32 rounding: sums over more (masked) keys, as graphs
+        assert g.output == e.output and g.ranks == e.ranks and g.top_ids == e.top_ids
+        assert max(abs(a - b) for a, b in zip(g.logprobs, e.logprobs)) < 1e-3

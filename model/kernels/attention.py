@@ -79,13 +79,16 @@ def _key_block(n0, s_hi, q, k_ptr, v_ptr, pt_ptr, slot, spt, skp, skh, svp, svh,
     return m_new, l_i, acc
 
 
-@triton.jit
+# L (the query width) is not specialized on (1, multiples of 16): a prefill of any width runs the variants
+# the graph set compiled
+@triton.jit(do_not_specialize=["L"])
 def _attn_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, out_ptr, part_ptr, ml_ptr, slot_ptr, start_ptr, length_ptr, causal_ptr,
                  sqb, sql, sqh, spt, skp, skh, svp, svh, sob, sol, soh,
                  L, W, qk_scale, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr, ITERS: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr, ITERS: tl.constexpr,
                  HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_m, pid_bh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    splits = tl.num_programs(2)   # a value, not a constexpr: every split count runs one compiled variant
     b, h = (pid_bh // HKV).to(tl.int64), (pid_bh % HKV).to(tl.int64)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     start = tl.load(start_ptr + b).to(tl.int64)
@@ -117,7 +120,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, out_ptr, part_ptr, ml_ptr, slot_pt
         lo = tl.where(i_max < length, tl.maximum(lo, anchor_min - W + 1), lo)
     lo = lo // BN * BN   # key blocks at multiples of BN: the same blocks whatever the neighbours
     span = tl.maximum(hi - lo, 0)
-    chunk = tl.cdiv(tl.cdiv(span, SPLITS), BN) * BN
+    chunk = tl.cdiv(tl.cdiv(span, splits), BN) * BN
     s_lo = lo + split * chunk
     s_hi = tl.minimum(s_lo + chunk, hi)
 
@@ -141,11 +144,11 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, out_ptr, part_ptr, ml_ptr, slot_pt
                                        d_ok, start, bidirectional, qpos, anchor, W, i, length, qk_scale,
                                        m_i, l_i, acc, BN, PAGE, HAS_WINDOW, PRECISION, INTERPRETED)
 
-    if SPLITS == 1:
+    if splits == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + b * sob + i[:, None] * sol + head[:, None] * soh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    else:   # partials [SPLITS, B * HKV, L * G, D], (m, l) [SPLITS, B * HKV, L * G, 2]
+    else:   # partials [splits, B * HKV, L * G, D], (m, l) [splits, B * HKV, L * G, 2]
         row = (split * tl.num_programs(1) + pid_bh).to(tl.int64) * LG + r
         tl.store(part_ptr + row[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(ml_ptr + row * 2, m_i, mask=row_ok)
@@ -153,9 +156,26 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, out_ptr, part_ptr, ml_ptr, slot_pt
 
 
 @triton.jit
-def _split_combine_kernel(part_ptr, ml_ptr, out_ptr, sob, sol, soh, L, BHKV, HKV: tl.constexpr,
+def _split_max(m, ml_ptr, s, BHKV, pid_bh, LG, r, row_ok):
+    row = (s * BHKV + pid_bh).to(tl.int64) * LG + r
+    return tl.maximum(m, tl.load(ml_ptr + row * 2, mask=row_ok, other=float("-inf")))
+
+
+@triton.jit
+def _split_add(l, acc, m, part_ptr, ml_ptr, s, BHKV, pid_bh, LG, r, row_ok, mask, d, D: tl.constexpr):
+    row = (s * BHKV + pid_bh).to(tl.int64) * LG + r
+    w = tl.exp2(tl.load(ml_ptr + row * 2, mask=row_ok, other=float("-inf")) - m)
+    l += w * tl.load(ml_ptr + row * 2 + 1, mask=row_ok, other=0.0)
+    acc += w[:, None] * tl.load(part_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0)
+    return l, acc
+
+
+@triton.jit(do_not_specialize=["L", "BHKV", "splits"])
+def _split_combine_kernel(part_ptr, ml_ptr, out_ptr, sob, sol, soh, L, BHKV, splits, HKV: tl.constexpr,
                           G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr,
-                          SPLITS: tl.constexpr):
+                          ITERS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The splits in split order, whatever the rows; `splits` a value (one compiled variant for every
+    count), ITERS the same count as a constexpr for the interpreter, whose loops take no other bound."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = (pid_bh // HKV).to(tl.int64), (pid_bh % HKV).to(tl.int64)
     LG = L * G
@@ -164,17 +184,21 @@ def _split_combine_kernel(part_ptr, ml_ptr, out_ptr, sob, sol, soh, L, BHKV, HKV
     d = tl.arange(0, BLOCK_D)
     mask = row_ok[:, None] & (d[None, :] < D)
     m = tl.full((BM,), float("-inf"), dtype=tl.float32)
-    for s in range(SPLITS):
-        row = (s * BHKV + pid_bh).to(tl.int64) * LG + r
-        m = tl.maximum(m, tl.load(ml_ptr + row * 2, mask=row_ok, other=float("-inf")))
+    if INTERPRETED:
+        for s in range(ITERS):
+            m = _split_max(m, ml_ptr, s, BHKV, pid_bh, LG, r, row_ok)
+    else:
+        for s in range(splits):
+            m = _split_max(m, ml_ptr, s, BHKV, pid_bh, LG, r, row_ok)
     m = tl.where(m == float("-inf"), 0.0, m)
     acc = tl.zeros((BM, BLOCK_D), dtype=tl.float32)
     l = tl.zeros((BM,), dtype=tl.float32)
-    for s in range(SPLITS):   # split order, whatever the rows
-        row = (s * BHKV + pid_bh).to(tl.int64) * LG + r
-        w = tl.exp2(tl.load(ml_ptr + row * 2, mask=row_ok, other=float("-inf")) - m)
-        l += w * tl.load(ml_ptr + row * 2 + 1, mask=row_ok, other=0.0)
-        acc += w[:, None] * tl.load(part_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0)
+    if INTERPRETED:
+        for s in range(ITERS):
+            l, acc = _split_add(l, acc, m, part_ptr, ml_ptr, s, BHKV, pid_bh, LG, r, row_ok, mask, d, D)
+    else:
+        for s in range(splits):
+            l, acc = _split_add(l, acc, m, part_ptr, ml_ptr, s, BHKV, pid_bh, LG, r, row_ok, mask, d, D)
     i = (r // G).to(tl.int64)
     head = h * G + (r % G)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -232,7 +256,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
         q.stride(0), q.stride(1), q.stride(2), page_table.stride(0), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), out.stride(0), out.stride(1), out.stride(2),
         L, window or 0, scale * LOG2E, HKV=hkv, G=G, D=D, BLOCK_D=block_d, BM=BM, BN=BN, PAGE=page_size,
-        SPLITS=S, ITERS=iters, HAS_WINDOW=window is not None, PRECISION=precision, INTERPRETED=INTERPRETED,
+        ITERS=iters, HAS_WINDOW=window is not None, PRECISION=precision, INTERPRETED=INTERPRETED,
         num_warps=warps, num_stages=stages)
     if S > 1:
         split_combine(part, ml, out)
@@ -259,5 +283,6 @@ def split_combine(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, rows:
     hkv = bhkv // b
     bm = rows or combine_rows(d)
     _split_combine_kernel[(triton.cdiv(lg, bm), bhkv)](
-        part, ml, out, out.stride(0), out.stride(1), out.stride(2), length, bhkv, HKV=hkv, G=hq // hkv, D=d,
-        BLOCK_D=_block_d(d), BM=bm, SPLITS=splits, num_warps=warps)
+        part, ml, out, out.stride(0), out.stride(1), out.stride(2), length, bhkv, splits, HKV=hkv, G=hq // hkv,
+        D=d, BLOCK_D=_block_d(d), BM=bm, ITERS=splits if INTERPRETED else 1, INTERPRETED=INTERPRETED,
+        num_warps=warps)
