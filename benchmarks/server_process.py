@@ -26,8 +26,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 READY_LINE = "dllm-serve is ready"   # what serve_local prints once the weights are loaded
 # the metrics of CUDA graphs while serving (None on a server without them)
-GRAPH_METRICS = ("dllm_eager_steps_total", "dllm_graph_captures_total", "dllm_cuda_graphs",
-                 "dllm_cuda_graph_memory_bytes")
+GRAPH_METRICS = ("dllm_eager_steps_total", "dllm_graph_captures_total", "dllm_kernel_compiles_total",
+                 "dllm_cuda_graphs", "dllm_cuda_graph_memory_bytes")
 # the runner's step counters: batched forward passes and the rows they carried (passes: absent before it),
 # and the seconds rank 0's runner spent executing commands (the rest of a phase's wall is the control plane's)
 STEP_METRICS = ("dllm_passes_total", "dllm_forwards_total", "dllm_shard_busy_seconds_total")

@@ -371,6 +371,7 @@ def derive(result: dict, levels: list[int]) -> dict:
         "mixed_over_homogeneous_passes": _ratio(passes["mixed"], passes["homogeneous"]),
         "graph_captures_after_ready": None if last is None else last["dllm_graph_captures_total"],
         "eager_steps_while_serving": None if last is None else last["dllm_eager_steps_total"],
+        "kernel_compiles_while_serving": None if last is None else last["dllm_kernel_compiles_total"],
         "cuda_graphs": None if last is None else last["dllm_cuda_graphs"],
         "cuda_graph_memory_mib": None if last is None or last["dllm_cuda_graph_memory_bytes"] is None
         else last["dllm_cuda_graph_memory_bytes"] / 2**20,
@@ -419,6 +420,7 @@ def rows(result: dict) -> list[tuple[str, float | None, str]]:
     out += [("p99 / median request latency under the mix", r.get("mixed_p99_over_median"), "<= 2"),
             ("graphs captured after ready", r.get("graph_captures_after_ready"), "0"),
             ("eager steps while serving", r.get("eager_steps_while_serving"), ""),
+            ("kernels compiled while serving", r.get("kernel_compiles_while_serving"), "0"),
             ("GPU MiB after mixed - after warm-up", r.get("gpu_memory_mixed_minus_warmup_mib"), "about 0"),
             ("failed requests", r.get("failed_requests"), "0")]
     for c, tok_s in (r.get("seed_tok_s") or {}).items():

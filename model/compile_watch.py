@@ -10,6 +10,7 @@ to list what compiled, with how long each took.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 
 def _dynamo_graphs() -> int:
@@ -20,12 +21,16 @@ def _dynamo_graphs() -> int:
 
 class CompileWatch:
     """with CompileWatch() as w: ... -> w.kernels [(triton kernel's name, seconds)], w.graphs (torch.compile
-    graphs compiled). Chains any hooks already installed, and restores them on exit."""
+    graphs compiled). Chains any hooks already installed, and restores them on exit. A served runner keeps
+    one open from its warm-up on (`start()`; `count` so far), calling `on_compile(name, seconds)` for each
+    triton variant."""
 
-    def __init__(self):
+    def __init__(self, on_compile: Callable[[str, float], None] | None = None):
         self.kernels: list[tuple[str, float]] = []
         self.graphs = 0
+        self.on_compile = on_compile
         self._started: float | None = None
+        self._graphs: int | None = None
 
     def __enter__(self) -> "CompileWatch":
         from triton import knobs
@@ -40,6 +45,8 @@ class CompileWatch:
             took = time.perf_counter() - self._started if self._started is not None else 0.0
             self.kernels.append((kw["repr"].split("[", 1)[0], took))
             self._started = None
+            if self.on_compile is not None:
+                self.on_compile(*self.kernels[-1])
             return self._after(**kw) if self._after else None
 
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
@@ -50,11 +57,22 @@ class CompileWatch:
         from triton import knobs
 
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
-        self.graphs = _dynamo_graphs() - self._graphs
+        self.graphs, self._graphs = _dynamo_graphs() - self._graphs, None
+
+    start = __enter__
+
+    def stop(self) -> None:
+        self.__exit__()
+
+    @property
+    def count(self) -> int:
+        """Triton variants and torch.compile graphs compiled so far (while open: up to now)."""
+        graphs = self.graphs if self._graphs is None else _dynamo_graphs() - self._graphs
+        return len(self.kernels) + graphs
 
     @property
     def compiled(self) -> bool:
-        return bool(self.kernels) or self.graphs > 0
+        return self.count > 0
 
     def summary(self) -> str:
         kernels = ", ".join(f"{name} {took:.2f} s" for name, took in self.kernels) or "none"

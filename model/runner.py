@@ -12,6 +12,7 @@ captures before a shard serves. The step loop, graphs and batch invariance: docs
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from model.batch_invariant import batch_invariant
 from model.checkpoint import RunnerArgs
+from model.compile_watch import CompileWatch
 from model.config import RenoiseDefaults
 from model.drafts import DraftBuffer
 from model.families import FAMILIES
@@ -38,6 +40,8 @@ from model.steps.compiled import CompiledUpdate
 from model.steps.env import StepEnv
 from model.steps.plan import RowPlan, graph_plan, plan_rows
 from model.steps.sampler import RowSampler
+
+log = logging.getLogger("dllm.runner")
 
 CANVAS_MODES = ("diffusion", "linear_spec")
 # A forward costs about a + b * tokens: a the weights' read (and the fixed work of a step), b each token's
@@ -103,6 +107,7 @@ class Runner:
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = StepGraphs(self.device) if use_graphs else None
         self.sizes = capture_sizes(num_slots)   # the batch sizes of graphs (model/graphs.py)
+        self.compiles: CompileWatch | None = None   # on CUDA, from the warm-up's end: what compiled while serving
 
     @classmethod
     def from_checkpoint(cls, args: RunnerArgs, tp: TPGroup | None = None) -> "Runner":
@@ -200,7 +205,8 @@ class Runner:
                                  for s, i in self.slots.info.items()}
             if self.graphs is not None:
                 events.graphs = {"eager_steps": self.graphs.eager_steps,
-                                 "captured_after_ready": self.graphs.captured - self.graphs.captured_at_freeze}
+                                 "captured_after_ready": self.graphs.captured - self.graphs.captured_at_freeze,
+                                 "kernel_compiles": self.compiles.count if self.compiles is not None else 0}
             return events
 
     def _prefill_runs(self, cmd: Command, admitted: list[int]) -> list[PrefillRun]:
@@ -267,6 +273,8 @@ class Runner:
             self.graphs.freeze()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+                if self.compiles is None:
+                    self.compiles = CompileWatch(on_compile=_compiled_while_serving).start()
         if isinstance(self.canvas_step.update, CompiledUpdate):
             self.canvas_step.update.freeze()
         return {"graphs": counts, "capture_sizes": list(self.sizes), "key_buckets": list(key_buckets(self.kv.max_len)),
@@ -477,6 +485,11 @@ class Runner:
     def _count_eager(self) -> None:
         if self.graphs is not None and self.graphs.frozen:
             self.graphs.eager_steps += 1
+
+
+def _compiled_while_serving(name: str, seconds: float) -> None:
+    log.warning("kernel %s compiled while serving (%.2f s, every request of the replica waited): a shape the "
+                "warm-up did not run", name, seconds)
 
 
 def keys_per_token(model: DiffusionLM) -> float:

@@ -31,3 +31,16 @@ def test_triton_hooks_are_chained_and_restored():
         assert knobs.runtime.jit_post_compile_hook is theirs and knobs.runtime.jit_cache_hook is None
     finally:
         knobs.runtime.jit_post_compile_hook = None
+
+
+def test_an_open_watch_counts_as_it_goes_and_reports_each_variant():
+    """A served runner's watch (from warm-up on): `count` while open, `on_compile` per triton variant."""
+    told = []
+    watch = CompileWatch(on_compile=lambda name, took: told.append(name)).start()
+    try:
+        torch.compile(lambda x: x - 1, backend="eager")(torch.ones(2))
+        knobs.runtime.jit_post_compile_hook(repr="kernel_b[num_warps=8](y: i32)")
+        assert watch.count == 2 and told == ["kernel_b"]
+    finally:
+        watch.stop()
+    assert knobs.runtime.jit_post_compile_hook is None and watch.count == 2

@@ -218,6 +218,7 @@ def test_serve_app_on_gpu(tiny_nemotron):
             assert r.usage.completion_tokens == 20 + 7 * i
         after = metrics(port)
         assert after["dllm_graph_captures_total"] == 0 and after["dllm_eager_steps_total"] == 0
+        assert after["dllm_kernel_compiles_total"] == 0
         assert after["dllm_cuda_graphs"] == ready["dllm_cuda_graphs"]
     finally:
         stop_serve()

@@ -37,7 +37,7 @@ def test_prometheus_text_of_stats():
              "running": 0, "waiting": 3, "free_slots": 4, "num_slots": 4, "shard_failures": 1, "shard_restarts": 1,
              "shard_busy_s": 2.5, "derived": {"steps_per_canvas": 8.0, "committed_throughput": None},
              "kv_cache_usage": 0.25, "kv_cache_tokens": 4096, "prefix_cache_queries": 300, "prefix_cache_hits": 128,
-             "graphs": {"eager_steps": 3, "captured_after_ready": 0},
+             "graphs": {"eager_steps": 3, "captured_after_ready": 0, "kernel_compiles": 2},
              "warm_up": {"graphs": {"canvas": 64, "prefill": 40}, "graph_bytes": 2**30, "seconds": 12.5},
              **m.snapshot()}
     samples = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model"))): s.value
@@ -60,6 +60,7 @@ def test_prometheus_text_of_stats():
     assert samples[("dllm_passes_total", ())] == 9
     assert not any(name == "dllm_committed_throughput" for name, _ in samples)   # undefined ratios are left out
     assert samples[("dllm_eager_steps_total", ())] == 3 and samples[("dllm_graph_captures_total", ())] == 0
+    assert samples[("dllm_kernel_compiles_total", ())] == 2
     assert samples[("dllm_cuda_graphs", ())] == 104 and samples[("dllm_cuda_graph_memory_bytes", ())] == 2**30
     assert samples[("dllm_warm_up_seconds", ())] == 12.5
     assert samples[("dllm_kv_cache_usage", ())] == 0.25 and samples[("dllm_kv_cache_tokens", ())] == 4096

@@ -174,7 +174,8 @@ def test_parse_metrics_sums_labels_and_reports_absent_series_as_none():
             '# TYPE dllm_cuda_graphs gauge\ndllm_cuda_graphs{model="m"} 40.0\n'
             '# TYPE dllm_free_slots gauge\ndllm_free_slots{model="m"} 8.0\n')
     assert parse_metrics(text, GRAPH_METRICS) == {"dllm_eager_steps_total": None, "dllm_graph_captures_total": 3.0,
-                                                  "dllm_cuda_graphs": 40.0, "dllm_cuda_graph_memory_bytes": None}
+                                                  "dllm_kernel_compiles_total": None, "dllm_cuda_graphs": 40.0,
+                                                  "dllm_cuda_graph_memory_bytes": None}
 
 
 def _phase(tok_s: float, median_ms: float, p99_ms: float, memory: float | None, captures: float | None,
@@ -247,7 +248,7 @@ def test_rows_from_synthetic_phases():
     assert "mixed / matched (the options' own cost)" in traffic.format_table(split)
     assert rows["gpu_memory_mixed_minus_warmup_mib"] == 30.0 and rows["graph_captures_after_ready"] == 3.0
     assert rows["failed_requests"] == 1 and rows["seed_over_concurrency_1"] == {"1": 1.0, "2": 1.875}
-    assert rows["eager_steps_while_serving"] is None   # a server without the series
+    assert rows["eager_steps_while_serving"] is None and rows["kernel_compiles_while_serving"] is None   # no series
     # the phase's duration (tok/s's clock, not its wall time with the scrapes) over its passes
     assert rows["ms_per_pass"] == {"homogeneous": 50.0, "matched": None, "mixed": 60.0}
     assert rows["seed_ms_per_pass"] == {"1": None, "2": 50.0} and rows["seed_rows_per_pass"]["2"] == 2.0

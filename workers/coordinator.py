@@ -45,12 +45,12 @@ class GraphCounts:
     starts from 0."""
 
     def __init__(self):
-        self.current = {"eager_steps": 0, "captured_after_ready": 0}
+        self.current = {"eager_steps": 0, "captured_after_ready": 0, "kernel_compiles": 0}
         self.retired = dict(self.current)
 
     def update(self, counts: dict | None) -> None:
         if counts:
-            self.current = {k: counts[k] for k in self.current}
+            self.current = {k: counts.get(k, 0) for k in self.current}
 
     def retire(self) -> None:
         self.retired = self.totals()

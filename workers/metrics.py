@@ -50,6 +50,9 @@ GRAPH_COUNTERS = (  # stats["graphs"] key, metric name, help
      "outside the captured set, e.g. a prefill too wide for a graph)"),
     ("captured_after_ready", "dllm_graph_captures", "CUDA graphs captured while serving (0: all were captured "
      "before the replica was ready)"),
+    ("kernel_compiles", "dllm_kernel_compiles", "Kernels compiled while serving (triton variants, torch.compile "
+     "graphs; rank 0): each stalled every request of the replica while it compiled (0: the warm-up compiled "
+     "every shape served)"),
 )
 FINISHED = ("dllm_finished_requests", "Requests finished by the engine, by finish reason (stop, length, abort)")
 GRAPH_GAUGES = (  # stats["warm_up"] value, metric name, help
