@@ -56,6 +56,9 @@ DEFAULT_MODEL = REPO / "model" / "checkpoints" / "tiny-docstrings"
 WORKLOADS = ("conversations", "long-prompt")
 PAGE = 16   # the KV cache's page: the prefix cache serves whole pages (docs/api.md#usage)
 CACHE_METRICS = ("dllm_prefix_cache_queries_total", "dllm_prefix_cache_hits_total")
+# what ran outside the warm-up's set while the workload ran (CUDA): a compile stalls the whole replica
+STALL_METRICS = ("dllm_kernel_compiles_total", "dllm_eager_steps_total")
+SCRAPED = CACHE_METRICS + STALL_METRICS
 # each workload's two servers: (figure suffix, the serve_local argument that differs)
 CACHING = (("cached", "enable_prefix_caching=true"), ("uncached", "enable_prefix_caching=false"))
 
@@ -431,7 +434,7 @@ async def _on_server(server: ServerProcess, args: argparse.Namespace, workload: 
         cold = await server.wait_ready(http, args.start_timeout, FIRST_REQUEST)
         print(f"  /health 200 at {cold['health_200_s']:.1f} s, first completion at {cold['first_completion_s']:.1f} s",
               flush=True)
-        before = await scrape_metrics(http, server.base, CACHE_METRICS)
+        before = await scrape_metrics(http, server.base, SCRAPED)
         if workload == "conversations":
             turns, wall = await asyncio.wait_for(
                 run_conversations(http, server.base, cold["model"], plan, args.max_completion_tokens, tokenizer,
@@ -446,8 +449,8 @@ async def _on_server(server: ServerProcess, args: argparse.Namespace, workload: 
         else:
             out = await asyncio.wait_for(run_long_prompt(http, server.base, cold["model"], args),
                                          args.workload_timeout)
-        after = await scrape_metrics(http, server.base, CACHE_METRICS)
-    out["metrics"] = {k: None if after[k] is None or before[k] is None else after[k] - before[k] for k in CACHE_METRICS}
+        after = await scrape_metrics(http, server.base, SCRAPED)
+    out["metrics"] = {k: None if after[k] is None or before[k] is None else after[k] - before[k] for k in SCRAPED}
     out["cold_start"] = cold
     return out
 
@@ -519,6 +522,7 @@ def figures(result: dict) -> dict[str, float | None]:
         m = conv[name]["metrics"]
         q, h = m["dllm_prefix_cache_queries_total"], m["dllm_prefix_cache_hits_total"]
         out[f"conversations_metrics_hit_rate_{name}"] = _ratio(h, q)
+        out[f"conversations_kernel_compiles_{name}"] = m.get("dllm_kernel_compiles_total")
     for stat in ("mean", "p50", "p99"):
         out[f"conversations_ttft_{stat}_cached_over_uncached"] = _ratio(
             out.get(f"conversations_ttft_{stat}_s_cached"), out.get(f"conversations_ttft_{stat}_s_uncached"))
@@ -540,6 +544,7 @@ def figures(result: dict) -> dict[str, float | None]:
         out[f"long_prompt_ttft_s_{name}"] = run["long_prompt"]["ttft_s"] if run["long_prompt"]["ok"] else None
         out[f"long_prompt_latency_s_{name}"] = run["long_prompt"]["latency_s"]
         out[f"long_prompt_running_failed_{name}"] = run["running_failed"]
+        out[f"long_prompt_kernel_compiles_{name}"] = run.get("metrics", {}).get("dllm_kernel_compiles_total")
     return out
 
 
