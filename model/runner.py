@@ -270,6 +270,7 @@ class Runner:
                     counts[kind] = counts.get(kind, 0) + 1
                     seconds[kind] = seconds.get(kind, 0.0) + took
                     longest[kind] = max(longest.get(kind, 0.0), took)
+                self._warm_eager_prefills()
             self.graphs.freeze()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -347,6 +348,22 @@ class Runner:
                         host = self._prefill_inputs([None] * rows, [None] * rows, plan, width)
                         key = ("prefill", plan)
                         yield "prefill", key, self._prefill_step(plan), self.graphs.static_inputs(key, *host)
+
+    def _warm_eager_prefills(self) -> None:
+        """Runs, eagerly, a prefill past a prefix (a cached prefix, a long prompt's later chunk) of one padding
+        row over the longest key bucket, with scores and without: few programs over many keys, so its
+        attention splits its keys and the splits' combine compiles now, not mid-service (the graph set's
+        steps may never split: DiffusionGemma's 256-wide canvases fill the SMs). The padding slot's keys are
+        the sink's; its length is put back."""
+        t, pad, width = self.slots, self.slots.pad, MIN_PREFILL_WIDTH
+        length = t.length[pad].clone()
+        for scored in dict.fromkeys((False, self.canvas_step.needs_prediction)):
+            plan = graph_plan(1, self.kv.max_len, scored)
+            ints = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)   # noqa: E731
+            self.causal.prefill(plan, ints([pad]), ints(list(plan.scored)),
+                                torch.zeros(1, width, dtype=torch.int64, device=self.device), ints([width]),
+                                ints([1]), torch.zeros(1, 3, dtype=torch.bool, device=self.device), fresh=False)
+        t.length[pad] = length
 
     def _admit(self, news: tuple[NewSlot, ...]) -> list[int]:
         for new in news:

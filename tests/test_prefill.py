@@ -95,3 +95,19 @@ def test_eager_prefills_of_a_graphed_runner_take_whole_tiles_and_the_graphs_plan
     for g, e in zip(got, expected):   # logprobs within fp32 rounding: sums over more (masked) keys, as graphs
         assert g.output == e.output and g.ranks == e.ranks and g.top_ids == e.top_ids
         assert max(abs(a - b) for a, b in zip(g.logprobs, e.logprobs)) < 1e-3
+
+
+@pytest.mark.parametrize("family", ["nemotron", "gemma"])
+def test_the_warm_ups_eager_prefill_changes_no_slots_state(family, tiny_nemotron, tiny_gemma):
+    """The warm-up's prefill past a prefix (which compiles the key splits' combine on CUDA) runs on the
+    padding row and leaves every slot's state, the padding slot's length included, as it found it."""
+    model_dir = tiny_nemotron if family == "nemotron" else tiny_gemma
+    with Engine(model_dir, num_slots=2, max_model_len=256, dtype="float32") as e:
+        runner = e.shards.runner
+        runner.graphs = EagerGraphs()
+        served.generate(e, [[2, 50, 60, 70]], DecodeParams(max_tokens=8, ignore_eos=True))
+        t = runner.slots
+        before = {name: getattr(t, name).clone() for name in ("phase", "length", "n", "draws", "emitted")}
+        runner._warm_eager_prefills()
+        for name, value in before.items():
+            assert torch.equal(getattr(t, name), value), name
