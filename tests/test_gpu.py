@@ -559,11 +559,13 @@ def test_cuda_cached_and_chunked_prefills_equal_cold_bit_for_bit(family, tiny_ne
 @pytest.mark.parametrize("family", ["nemotron", "gemma"])
 def test_served_shapes_compile_nothing_after_warm_up(family, tiny_nemotron, tiny_gemma):
     """After warm-up, what users send compiles no kernel: fresh prompts, prompts past a cached prefix at
-    widths that are and are not multiples of 16, a long prompt prefilled in chunks, in every mode. A
+    widths that are and are not multiples of 16, a long prompt prefilled in chunks, in every mode, and
+    constrained requests (a verify limited at every draft position runs eagerly). A
     compile inside a served step stalls the whole replica for about a second (the first time a shape
     comes), so the warm-up must have compiled every variant the served shapes reach."""
     from model.compile_watch import CompileWatch
     from model.sampling.params import DecodeParams
+    from tests.test_structured import SCHEMA, grammar, tokenizers_of
     from workers.engine import Engine
 
     model_dir, vocab = (tiny_nemotron, 900) if family == "nemotron" else (tiny_gemma, 500)
@@ -583,6 +585,11 @@ def test_served_shapes_compile_nothing_after_warm_up(family, tiny_nemotron, tiny
                     served.generate(e, [base + words(extra)], params)
             served.generate(e, [base + words(230)], modes[0])       # chunks of 96 past a cached prefix
             served.generate(e, [[2] + words(300)] * 2, modes[-1])   # two long prompts, fresh then continued
+            g = grammar(tokenizers_of(model_dir), "json_schema", SCHEMA)   # constrained: host checks, and
+            bound = [DecodeParams(temperature=0, max_tokens=32, grammar=g)]   # eager verifies (linear_spec)
+            if family == "nemotron":
+                bound.append(DecodeParams(mode="linear_spec", max_tokens=32, grammar=g))
+            served.generate(e, [base + words(5)] * len(bound), bound)
         runner = e.shards.runner
         print(f"{family}: eager steps after warm-up {runner.graphs.eager_steps if runner.graphs else None}; {watch.summary()}")
     assert not watch.compiled, watch.summary()
