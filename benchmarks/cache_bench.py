@@ -8,7 +8,8 @@ resends the whole history (the system prompt, the earlier user turns and the ass
 streamed) plus a new user message. Against a server with enable_prefix_caching=true, then one with false:
 the TTFT of turns 2.., the prompt tokens sent, the cached tokens reported
 (usage.prompt_tokens_details.cached_tokens), their ratio (the hit rate), /metrics' prefix-cache counters
-and the wall time; and the TTFT ratio on / off.
+and the wall time; and the TTFT ratio on / off. Before them, one chat of --alone-turns turns runs alone,
+with a system prompt of its own: its TTFT ratio is a cached prefix's with nothing running beside it.
 
 long-prompt: --running streamed completions (--running-max-tokens each, ignore_eos; a new one starts as one
 ends; the first ones shorter, so that they do not all end together) on a server of max_num_seqs =
@@ -77,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c = p.add_argument_group("conversations")
     c.add_argument("--conversations", type=_positive, default=8, help="chats run concurrently")
     c.add_argument("--turns", type=_positive, default=5, help="turns of each chat, in order")
+    c.add_argument("--alone-turns", type=_non_negative, default=5, help="turns of one chat run alone first, with a system "
+                   "prompt of its own (0: none)")
     c.add_argument("--system-tokens", type=_positive, default=1000, help="the shared system prompt's tokens")
     c.add_argument("--user-tokens", type=_positive, default=24, help="each user message's tokens")
     c.add_argument("--max-completion-tokens", type=_positive, default=32, help="of every turn")
@@ -120,6 +123,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text}")
+    return value
+
+
 def workloads(args: argparse.Namespace) -> tuple[str, ...]:
     return WORKLOADS if args.workload == "all" else (args.workload,)
 
@@ -149,15 +159,21 @@ def words_text(tokenizer, pool: list[str], n_tokens: int, rng: np.random.Generat
 class ConversationPlan:
     system: str                  # the shared system prompt
     users: list[list[str]]       # each conversation's user messages, one a turn
+    # one chat alone, run before the others with a system prompt of its own: the TTFT of a cached prefix
+    # with nothing else running (None: not run)
+    alone: "ConversationPlan | None" = None
 
 
 def plan_conversations(tokenizer, args: argparse.Namespace) -> ConversationPlan:
-    rng = np.random.default_rng(args.seed)
     pool = word_pool(tokenizer)
-    system = words_text(tokenizer, pool, args.system_tokens, rng)
-    users = [[words_text(tokenizer, pool, args.user_tokens, rng) for _ in range(args.turns)]
-             for _ in range(args.conversations)]
-    return ConversationPlan(system, users)
+
+    def chats(rng: np.random.Generator, n: int, turns: int) -> tuple[str, list[list[str]]]:
+        system = words_text(tokenizer, pool, args.system_tokens, rng)
+        return system, [[words_text(tokenizer, pool, args.user_tokens, rng) for _ in range(turns)] for _ in range(n)]
+
+    alone = ConversationPlan(*chats(np.random.default_rng([args.seed, 1]), 1, args.alone_turns)) \
+        if args.alone_turns else None
+    return ConversationPlan(*chats(np.random.default_rng(args.seed), args.conversations, args.turns), alone)
 
 
 def turn_messages(system: str, users: list[str], answers: list[str], turn: int) -> list[dict]:
@@ -436,16 +452,15 @@ async def _on_server(server: ServerProcess, args: argparse.Namespace, workload: 
               flush=True)
         before = await scrape_metrics(http, server.base, SCRAPED)
         if workload == "conversations":
-            turns, wall = await asyncio.wait_for(
-                run_conversations(http, server.base, cold["model"], plan, args.max_completion_tokens, tokenizer,
-                                  args.extra_body),
-                args.workload_timeout)
-            out = {"stats": conversation_stats(turns, wall),
-                   "turns": [{"conversation": t.conversation, "turn": t.turn, "sent_s": t.sent_s, "ok": t.result.ok,
-                              "error": t.result.error, "ttft_s": t.result.ttft, "latency_s": t.result.latency,
-                              "prompt_tokens": t.result.input_tokens, "client_prompt_tokens": len(t.prompt_ids),
-                              "cached_tokens": t.cached_tokens, "completion_tokens": t.result.output_tokens,
-                              "answer": t.answer} for t in turns]}
+            async def chats(p: ConversationPlan) -> dict:
+                turns, wall = await asyncio.wait_for(
+                    run_conversations(http, server.base, cold["model"], p, args.max_completion_tokens, tokenizer,
+                                      args.extra_body),
+                    args.workload_timeout)
+                return {"stats": conversation_stats(turns, wall), "turns": [turn_record(t) for t in turns]}
+
+            alone = await chats(plan.alone) if plan.alone is not None else None
+            out = await chats(plan) | ({"alone": alone} if alone is not None else {})
         else:
             out = await asyncio.wait_for(run_long_prompt(http, server.base, cold["model"], args),
                                          args.workload_timeout)
@@ -453,6 +468,13 @@ async def _on_server(server: ServerProcess, args: argparse.Namespace, workload: 
     out["metrics"] = {k: None if after[k] is None or before[k] is None else after[k] - before[k] for k in SCRAPED}
     out["cold_start"] = cold
     return out
+
+
+def turn_record(t: Turn) -> dict:
+    return {"conversation": t.conversation, "turn": t.turn, "sent_s": t.sent_s, "ok": t.result.ok,
+            "error": t.result.error, "ttft_s": t.result.ttft, "latency_s": t.result.latency,
+            "prompt_tokens": t.result.input_tokens, "client_prompt_tokens": len(t.prompt_ids),
+            "cached_tokens": t.cached_tokens, "completion_tokens": t.result.output_tokens, "answer": t.answer}
 
 
 def new_result(args: argparse.Namespace) -> dict:
@@ -523,9 +545,17 @@ def figures(result: dict) -> dict[str, float | None]:
         q, h = m["dllm_prefix_cache_queries_total"], m["dllm_prefix_cache_hits_total"]
         out[f"conversations_metrics_hit_rate_{name}"] = _ratio(h, q)
         out[f"conversations_kernel_compiles_{name}"] = m.get("dllm_kernel_compiles_total")
+        alone = conv[name].get("alone")
+        if alone is not None:
+            for stat in ("mean", "p50", "p99"):
+                out[f"conversations_alone_ttft_{stat}_s_{name}"] = alone["stats"]["ttft_s"][stat]
+            out[f"conversations_alone_hit_rate_later_turns_{name}"] = alone["stats"]["hit_rate_later_turns"]
     for stat in ("mean", "p50", "p99"):
         out[f"conversations_ttft_{stat}_cached_over_uncached"] = _ratio(
             out.get(f"conversations_ttft_{stat}_s_cached"), out.get(f"conversations_ttft_{stat}_s_uncached"))
+    for stat in ("mean", "p50"):
+        out[f"conversations_alone_ttft_{stat}_cached_over_uncached"] = _ratio(
+            out.get(f"conversations_alone_ttft_{stat}_s_cached"), out.get(f"conversations_alone_ttft_{stat}_s_uncached"))
     out["conversations_committed_tok_s_cached_over_uncached"] = _ratio(
         out.get("conversations_committed_tok_s_cached"), out.get("conversations_committed_tok_s_uncached"))
     lp = result["workloads"].get("long-prompt", {})
@@ -558,6 +588,10 @@ def format_workload(workload: str, runs: dict) -> str:
         if "error" in run:
             lines.append(f"{name:>10}: {run['error'].splitlines()[0]}")
         elif workload == "conversations":
+            if "alone" in run:
+                a = run["alone"]["stats"]
+                lines.append(f"{name:>10}: one chat alone, TTFT turns 2.. mean {_fmt(a['ttft_s']['mean'])} p50 "
+                             f"{_fmt(a['ttft_s']['p50'])} s; later turns' hit rate {_fmt(a['hit_rate_later_turns'])}")
             s = run["stats"]
             lines.append(f"{name:>10}: TTFT turns 2.. mean {_fmt(s['ttft_s']['mean'])} p50 {_fmt(s['ttft_s']['p50'])} "
                          f"p99 {_fmt(s['ttft_s']['p99'])} s; prompt {s['prompt_tokens']} cached {s['cached_tokens']} "
@@ -590,7 +624,8 @@ def main(argv: list[str] | None = None) -> int:
         interrupted = True
     result["wall_s"] = time.monotonic() - start
     got = figures(result)
-    for key in ("conversations_ttft_mean_cached_over_uncached", "long_prompt_itl_p99_ratio_chunked",
+    for key in ("conversations_alone_ttft_mean_cached_over_uncached", "conversations_ttft_mean_cached_over_uncached",
+                "long_prompt_itl_p99_ratio_chunked",
                 "long_prompt_itl_p99_ratio_unchunked"):
         if key in got:
             print(f"{key}: {_fmt(got[key])}")
@@ -602,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.results_dir is not None and any(v is not None for v in got.values()):
         sizes = []
         if "conversations" in workloads(args):
-            sizes.append(f"{args.conversations} conversations x {args.turns} turns, system prompt {args.system_tokens} "
+            sizes.append(f"one chat alone x {args.alone_turns} turns, then "
+                         f"{args.conversations} conversations x {args.turns} turns, system prompt {args.system_tokens} "
                          f"tokens, user turns {args.user_tokens}, answers {args.max_completion_tokens}")
         if "long-prompt" in workloads(args):
             sizes.append(f"{args.running} running x {args.running_max_tokens} tokens, long prompt "

@@ -179,6 +179,9 @@ TABLES: dict[str, Table] = {
                  "tokens a step")),
     # docs/benchmarking.md: benchmarks/cache_bench.py, each setting on its own cold server
     "cache-bench": Table("the tiny model on a CPU", (
+        Row("one chat alone: TTFT of turns 2.. on / off, mean and p50", (
+            "conversations_alone_ttft_mean_cached_over_uncached", "conversations_alone_ttft_p50_cached_over_uncached"),
+            ".3g", "report", "CPU"),
         Row("conversations: TTFT of turns 2.., mean with prefix caching on / off (s)",
             ("conversations_ttft_mean_s_cached", "conversations_ttft_mean_s_uncached"), ".3g", card="CPU"),
         Row("  p50 on / off; p99 on / off (s)",
@@ -207,6 +210,13 @@ TABLES: dict[str, Table] = {
     )),
     # docs/benchmarking.md: benchmarks/cache_bench.py on a GPU, the 8B's full-size shapes, every request in AR mode
     "cache-bench-gpu": Table("Nemotron-LD 8B shapes, AR mode, 8 chats x 5 turns, 4k-token system prompt", (
+        Row("one chat alone first: TTFT of turns 2.., mean / p50 with prefix caching on (s)",
+            ("conversations_alone_ttft_mean_s_cached", "conversations_alone_ttft_p50_s_cached"), ".3g", card="H100"),
+        Row("  off (s)", ("conversations_alone_ttft_mean_s_uncached", "conversations_alone_ttft_p50_s_uncached"),
+            ".3g", card="H100"),
+        Row("  TTFT on / off: mean / p50", ("conversations_alone_ttft_mean_cached_over_uncached",
+                                           "conversations_alone_ttft_p50_cached_over_uncached"), ".3g", "<= 0.2",
+            "H100"),
         Row("conversations: TTFT of turns 2.., mean / p50 / p99 with prefix caching on (s)",
             ("conversations_ttft_mean_s_cached", "conversations_ttft_p50_s_cached", "conversations_ttft_p99_s_cached"),
             ".3g", card="H100"),

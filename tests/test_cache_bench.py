@@ -47,6 +47,12 @@ def test_history_and_text():
     assert 290 <= len(tokenizer.encode(plan.system, add_special_tokens=False)) <= 300
     assert [len(u) for u in plan.users] == [2, 2, 2] and len({u for us in plan.users for u in us}) == 6
     assert plan == cb.plan_conversations(tokenizer, args)   # the seed's
+    # one chat alone first, its own system prompt (it must not warm the others' cache), --alone-turns turns
+    assert len(plan.alone.users) == 1 and len(plan.alone.users[0]) == 5 and plan.alone.alone is None
+    assert plan.alone.system[:80] != plan.system[:80]
+    assert cb.plan_conversations(tokenizer, cb.parse_args(["--alone-turns", "0"])).alone is None
+    with pytest.raises(SystemExit):
+        cb.parse_args(["--alone-turns", "-1"])
 
 
 def _sse(*events) -> bytes:
@@ -170,16 +176,22 @@ def _run(ttft: float, itl: float, long_ttft: float) -> dict:
             "long_prompt": {"ok": True, "ttft_s": long_ttft, "latency_s": long_ttft + 1}}
 
 
-def _conversation(ttft: float, cached: int) -> dict:
-    return {"stats": {"ttft_s": {"mean": ttft, "p50": ttft, "p99": 2 * ttft}, "prompt_tokens": 1000,
-                      "cached_tokens": cached, "hit_rate": cached / 1000, "hit_rate_later_turns": cached / 800,
-                      "prefix_bound_rate": 0.5, "wall_s": 9.0 * ttft, "failed": 0, "completion_tokens": 320},
-            "metrics": {"dllm_prefix_cache_queries_total": 1000.0, "dllm_prefix_cache_hits_total": float(cached)}}
+def _stats(ttft: float, cached: int) -> dict:
+    return {"ttft_s": {"mean": ttft, "p50": ttft, "p99": 2 * ttft}, "prompt_tokens": 1000,
+            "cached_tokens": cached, "hit_rate": cached / 1000, "hit_rate_later_turns": cached / 800,
+            "prefix_bound_rate": 0.5, "wall_s": 9.0 * ttft, "failed": 0, "completion_tokens": 320}
+
+
+def _conversation(ttft: float, cached: int, alone: float | None = None) -> dict:
+    return {"stats": _stats(ttft, cached),
+            "metrics": {"dllm_prefix_cache_queries_total": 1000.0, "dllm_prefix_cache_hits_total": float(cached)},
+            **({"alone": {"stats": _stats(alone, cached)}} if alone is not None else {})}
 
 
 def sample_result() -> dict:
     """A result of both workloads, each setting measured, with made-up values (the names are what count)."""
-    return {"workloads": {"conversations": {"cached": _conversation(0.5, 600), "uncached": _conversation(1.0, 0)},
+    return {"workloads": {"conversations": {"cached": _conversation(0.5, 600, alone=0.1),
+                                            "uncached": _conversation(1.0, 0, alone=0.4)},
                           "long-prompt": {"chunked": _run(0, 0.1, 2.0), "unchunked": _run(0, 0.2, 3.0)}}}
 
 
@@ -190,6 +202,8 @@ def test_figures_name_every_figure_of_the_docs_table():
     assert got["long_prompt_itl_p99_s_chunked_with_long"] == pytest.approx(0.6)
     assert got["long_prompt_itl_p99_ratio_unchunked"] == pytest.approx(3.0) and got["long_prompt_ttft_s_unchunked"] == 3.0
     assert got["conversations_committed_tok_s_cached_over_uncached"] == pytest.approx(2.0)
+    assert got["conversations_alone_ttft_mean_s_cached"] == 0.1
+    assert got["conversations_alone_ttft_p50_cached_over_uncached"] == pytest.approx(0.25)
     named = {k for table in ("cache-bench", "cache-bench-gpu") for row in TABLES[table].rows for k in row.keys}
     assert named <= set(got)
     # a server that did not start: no figures of it, and no ratio
