@@ -459,15 +459,23 @@ async def _on_server(server: ServerProcess, args: argparse.Namespace, workload: 
                     args.workload_timeout)
                 return {"stats": conversation_stats(turns, wall), "turns": [turn_record(t) for t in turns]}
 
-            alone = await chats(plan.alone) if plan.alone is not None else None
+            alone = None
+            if plan.alone is not None:   # its own /metrics deltas: the concurrent chats' are theirs alone
+                alone = await chats(plan.alone)
+                mid = await scrape_metrics(http, server.base, SCRAPED)
+                alone["metrics"], before = _deltas(before, mid), mid
             out = await chats(plan) | ({"alone": alone} if alone is not None else {})
         else:
             out = await asyncio.wait_for(run_long_prompt(http, server.base, cold["model"], args),
                                          args.workload_timeout)
         after = await scrape_metrics(http, server.base, SCRAPED)
-    out["metrics"] = {k: None if after[k] is None or before[k] is None else after[k] - before[k] for k in SCRAPED}
+    out["metrics"] = _deltas(before, after)
     out["cold_start"] = cold
     return out
+
+
+def _deltas(before: dict, after: dict) -> dict:
+    return {k: None if after[k] is None or before[k] is None else after[k] - before[k] for k in SCRAPED}
 
 
 def turn_record(t: Turn) -> dict:

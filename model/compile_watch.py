@@ -12,6 +12,9 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+_active: list["CompileWatch"] = []   # the open watches, fed by one pair of triton hooks
+_hooks: tuple | None = None          # (ours before, ours after) as installed
+
 
 def _dynamo_graphs() -> int:
     from torch._dynamo.utils import counters
@@ -19,11 +22,36 @@ def _dynamo_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _install() -> None:
+    """Our hooks in triton's knobs, chaining whatever was there (installed again if something replaced
+    them since): every open watch hears of every compile, whatever order watches open and close in."""
+    global _hooks
+    from triton import knobs
+
+    runtime = knobs.runtime
+    if _hooks is not None and (runtime.jit_cache_hook, runtime.jit_post_compile_hook) == _hooks:
+        return
+    theirs_before, theirs_after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+
+    def before(**kw):   # a variant missing from the in-memory cache is about to compile (or load)
+        now = time.perf_counter()
+        for watch in _active:
+            watch._started = now
+        return theirs_before(**kw) if theirs_before else None
+
+    def after(**kw):
+        name = kw["repr"].split("[", 1)[0]
+        for watch in list(_active):
+            watch._record(name)
+        return theirs_after(**kw) if theirs_after else None
+
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = _hooks = (before, after)
+
+
 class CompileWatch:
     """with CompileWatch() as w: ... -> w.kernels [(triton kernel's name, seconds)], w.graphs (torch.compile
-    graphs compiled). Chains any hooks already installed, and restores them on exit. A served runner keeps
-    one open from its warm-up on (`start()`; `count` so far), calling `on_compile(name, seconds)` for each
-    triton variant."""
+    graphs compiled). A served runner keeps one open from its warm-up on (`start()`; `count` so far),
+    calling `on_compile(name, seconds)` for each triton variant."""
 
     def __init__(self, on_compile: Callable[[str, float], None] | None = None):
         self.kernels: list[tuple[str, float]] = []
@@ -32,32 +60,24 @@ class CompileWatch:
         self._started: float | None = None
         self._graphs: int | None = None
 
+    def _record(self, name: str) -> None:
+        took = time.perf_counter() - self._started if self._started is not None else 0.0
+        self.kernels.append((name, took))
+        self._started = None
+        if self.on_compile is not None:
+            self.on_compile(name, took)
+
     def __enter__(self) -> "CompileWatch":
-        from triton import knobs
-
-        self._before, self._after = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
-
-        def before(**kw):   # a variant missing from the in-memory cache is about to compile (or load)
-            self._started = time.perf_counter()
-            return self._before(**kw) if self._before else None
-
-        def after(**kw):
-            took = time.perf_counter() - self._started if self._started is not None else 0.0
-            self.kernels.append((kw["repr"].split("[", 1)[0], took))
-            self._started = None
-            if self.on_compile is not None:
-                self.on_compile(*self.kernels[-1])
-            return self._after(**kw) if self._after else None
-
-        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
-        self._graphs = _dynamo_graphs()
+        if self not in _active:
+            _install()
+            _active.append(self)
+            self._graphs = _dynamo_graphs()
         return self
 
     def __exit__(self, *exc) -> None:
-        from triton import knobs
-
-        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
-        self.graphs, self._graphs = _dynamo_graphs() - self._graphs, None
+        if self in _active:
+            _active.remove(self)
+            self.graphs, self._graphs = _dynamo_graphs() - self._graphs, None
 
     start = __enter__
 

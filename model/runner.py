@@ -350,19 +350,22 @@ class Runner:
                         yield "prefill", key, self._prefill_step(plan), self.graphs.static_inputs(key, *host)
 
     def _warm_eager_prefills(self) -> None:
-        """Runs, eagerly, a prefill past a prefix (a cached prefix, a long prompt's later chunk) of one padding
-        row over the longest key bucket, with scores and without: few programs over many keys, so its
-        attention splits its keys and the splits' combine compiles now, not mid-service (the graph set's
-        steps may never split: DiffusionGemma's 256-wide canvases fill the SMs). The padding slot's keys are
-        the sink's; its length is put back."""
+        """Runs, eagerly, prefills past a prefix (a cached prefix, a long prompt's later chunk) of one and of
+        two padding rows over the longest key bucket, with scores and without: few programs over many keys,
+        so attention splits its keys, at both of its tile sets (one row, several), and those variants and the
+        splits' combine compile now, not mid-service (the graph set's steps may never split:
+        DiffusionGemma's 256-wide canvases fill the SMs). The padding slot's keys are the sink's; its length
+        is put back."""
         t, pad, width = self.slots, self.slots.pad, MIN_PREFILL_WIDTH
         length = t.length[pad].clone()
-        for scored in dict.fromkeys((False, self.canvas_step.needs_prediction)):
-            plan = graph_plan(1, self.kv.max_len, scored)
-            ints = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)   # noqa: E731
-            self.causal.prefill(plan, ints([pad]), ints(list(plan.scored)),
-                                torch.zeros(1, width, dtype=torch.int64, device=self.device), ints([width]),
-                                ints([1]), torch.zeros(1, 3, dtype=torch.bool, device=self.device), fresh=False)
+        ints = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)   # noqa: E731
+        for rows in [r for r in (1, 2) if r <= self.slots.num_slots]:
+            for scored in dict.fromkeys((False, self.canvas_step.needs_prediction)):
+                plan = graph_plan(rows, self.kv.max_len, scored)
+                self.causal.prefill(plan, ints([pad] * rows), ints(list(plan.scored)),
+                                    torch.zeros(rows, width, dtype=torch.int64, device=self.device),
+                                    ints([width] * rows), ints([1] * rows),
+                                    torch.zeros(rows, 3, dtype=torch.bool, device=self.device), fresh=False)
         t.length[pad] = length
 
     def _admit(self, news: tuple[NewSlot, ...]) -> list[int]:

@@ -107,7 +107,12 @@ def test_the_warm_ups_eager_prefill_changes_no_slots_state(family, tiny_nemotron
         runner.graphs = EagerGraphs()
         served.generate(e, [[2, 50, 60, 70]], DecodeParams(max_tokens=8, ignore_eos=True))
         t = runner.slots
-        before = {name: getattr(t, name).clone() for name in ("phase", "length", "n", "draws", "emitted")}
+        tensors = lambda: {name: v.clone() for name, v in vars(t).items() if isinstance(v, torch.Tensor)}  # noqa: E731
+        before, kv = tensors(), [x.clone() for x in runner.kv.k + runner.kv.v]
         runner._warm_eager_prefills()
-        for name, value in before.items():
-            assert torch.equal(getattr(t, name), value), name
+        assert len(before) > 10 and before.keys() == tensors().keys()
+        for name, value in tensors().items():   # every slot's state, the padding slot's too
+            assert torch.equal(value, before[name]), name
+        sink = [(g, runner.kv.sink(g)) for g in runner.kv.group_of]   # the KV cache: only the sink pages written
+        for x, y, (g, first) in zip(runner.kv.k + runner.kv.v, kv, sink + sink):
+            assert torch.equal(x[:first], y[:first])

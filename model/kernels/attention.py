@@ -117,7 +117,9 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, out_ptr, part_ptr, ml_ptr, slot_pt
     lo = start * 0
     if HAS_WINDOW:
         anchor_min = tl.where(causal, start + i_min, start)
-        lo = tl.where(i_max < length, tl.maximum(lo, anchor_min - W + 1), lo)
+        # from the block's first query's window on, if the block has a real query: its padding queries
+        # (past the row's length, never read) then see the block's keys, never none; padding alone: from 0
+        lo = tl.where(i_min < length, tl.maximum(lo, anchor_min - W + 1), lo)
     lo = lo // BN * BN   # key blocks at multiples of BN: the same blocks whatever the neighbours
     span = tl.maximum(hi - lo, 0)
     chunk = tl.cdiv(tl.cdiv(span, splits), BN) * BN

@@ -60,7 +60,10 @@ def check(D, hkv, G, dtype, rows, width, window=None, page_size=16, shuffled=Fal
     vmax = max(kv.v[0].abs().max().item(), v.abs().max().item())
     tol = (2 ** -16 if dtype == torch.float32 else 2 ** -7) * vmax
     assert got.shape == expected.shape and got.dtype == expected.dtype
-    diff = (got.float() - expected.float()).abs().max().item()
+    # real queries only: a padding query's output is never read, and on a sliding layer the kernel gives it
+    # its block's keys where SDPA gives it the full row
+    real = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None])[:, :, None, None]
+    diff = ((got.float() - expected.float()).abs() * real).max().item()
     what = dict(D=D, hkv=hkv, G=G, dtype=dtype, rows=rows, width=width, window=window, page_size=page_size,
                 shuffled=shuffled, splits=splits, tiles=tiles)
     assert diff <= tol, f"{what}: max |diff| {diff:.3g} > {tol:.3g}"
