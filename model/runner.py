@@ -358,14 +358,14 @@ class Runner:
         is put back."""
         t, pad, width = self.slots, self.slots.pad, MIN_PREFILL_WIDTH
         length = t.length[pad].clone()
-        ints = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)   # noqa: E731
-        for rows in [r for r in (1, 2) if r <= self.slots.num_slots]:
+        for rows in [r for r in (1, 2) if r <= t.num_slots]:
             for scored in dict.fromkeys((False, self.canvas_step.needs_prediction)):
                 plan = graph_plan(rows, self.kv.max_len, scored)
-                self.causal.prefill(plan, ints([pad] * rows), ints(list(plan.scored)),
-                                    torch.zeros(rows, width, dtype=torch.int64, device=self.device),
-                                    ints([width] * rows), ints([1] * rows),
-                                    torch.zeros(rows, 3, dtype=torch.bool, device=self.device), fresh=False)
+                self._prefill_step(plan, fresh=False)(
+                    t.device_index([pad] * rows), t.device_index(list(plan.scored)),
+                    torch.zeros(rows, width, dtype=torch.int64, device=self.device),
+                    t.device_index([width] * rows), t.device_index([1] * rows),
+                    torch.zeros(rows, 3, dtype=torch.bool, device=self.device))
         t.length[pad] = length
 
     def _admit(self, news: tuple[NewSlot, ...]) -> list[int]:
@@ -423,14 +423,14 @@ class Runner:
         longest = max(r.end - r.start for r in runs)
         fresh = not any(r.start for r in runs)
         rows = width = None
-        if self.graphs is not None and self.observer is None and fresh:
+        if self.graphed and fresh:
             rows = padded_size(len(slots), self.sizes)
             width = prefill_width(longest, rows, self.kv.max_len)
         scored = self.canvas_step.needs_prediction and any(i.wants_scores for i in infos)
         if width is None:   # eager
             self._count_eager()
             width = longest
-            if self.graphs is not None and self.observer is None:
+            if self.graphed:
                 # the graph set's kernel variants only (a variant compiled mid-service stalls the replica):
                 # a width of whole MIN_PREFILL_WIDTH tiles, the graphs' plan (every pass on)
                 width = -(-longest // MIN_PREFILL_WIDTH) * MIN_PREFILL_WIDTH
@@ -474,7 +474,7 @@ class Runner:
         """One step over rows `slots`; `spans`: those whose step a grammar limits at several positions (a
         constrained verify): the step runs eagerly, so the graphs' steps mask one position a row
         (model/steps/env.py)."""
-        if self.graphs is None or self.observer is not None or spans:
+        if not self.graphed or spans:
             if self.graphs is not None and spans:
                 self._count_eager()
             plan = self._eager_plan(slots, kv_len, any(self.slots.info[s].wants_scores for s in slots))
@@ -487,13 +487,22 @@ class Runner:
                                             any(self.slots.info[s].wants_scores for s in slots))
         self.graphs.run(key, run, *inputs)
 
+    @property
+    def graphed(self) -> bool:
+        """Steps go through the graph set (CUDA graphs, or their CPU stand-in), not all eagerly: the runner
+        has graphs and no observer (which reads every step)."""
+        return self.graphs is not None and self.observer is None
+
+    def close(self) -> None:
+        """Stops counting this process's compiles for this runner (its watch would else outlive it)."""
+        if self.compiles is not None:
+            self.compiles.stop()
+
     def _eager_plan(self, slots: list[int], kv_len: int, scored: bool) -> RowPlan:
         """An eager step's plan: exact without graphs; on a graphed runner (observers aside) the graphs'
         (every pass on, the same tokens and scores: model/steps/plan.py), whose kernels' compile-time flags
         the warm-up compiled."""
-        if self.graphs is None or self.observer is not None:
-            return self.plan(slots, kv_len)
-        return graph_plan(len(slots), kv_len, scored)
+        return graph_plan(len(slots), kv_len, scored) if self.graphed else self.plan(slots, kv_len)
 
     def _step_graph(self, kind: str, step, idx: list[int], kv_len: int, scored: bool):
         """The graph key, the step and its static inputs for rows idx (padding included)."""

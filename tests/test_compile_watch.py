@@ -61,3 +61,16 @@ def test_watches_open_and_close_in_any_order(hooks):
     runner.stop()
     compiled("kernel_e")
     assert runner.count == 3
+
+
+def test_a_closed_engines_runner_stops_its_watch(tiny_nemotron, hooks):
+    """A runner's watch ends with its engine: a later engine's warm-up in the same process is not logged
+    as compiled while serving by an earlier runner's watch (on CUDA warm_up starts it; here, by hand)."""
+    from model.compile_watch import _active
+    from workers.engine import Engine
+
+    with Engine(tiny_nemotron, num_slots=1, max_model_len=64) as e:
+        runner = e.shards.runner
+        runner.compiles = CompileWatch().start()
+        assert runner.compiles in _active
+    assert runner.compiles not in _active

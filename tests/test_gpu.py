@@ -611,5 +611,6 @@ def test_served_shapes_compile_nothing_after_warm_up(family, tiny_nemotron, tiny
                 bound.append(DecodeParams(mode="linear_spec", max_tokens=32, grammar=g))
             served.generate(e, [base + words(5)] * len(bound), bound)
         runner = e.shards.runner
+        assert runner.compiles is not None   # the serving watch, from the warm-up's end
         print(f"{family}: eager steps after warm-up {runner.graphs.eager_steps if runner.graphs else None}; {watch.summary()}")
     assert not watch.compiled, watch.summary()

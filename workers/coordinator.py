@@ -50,7 +50,7 @@ class GraphCounts:
 
     def update(self, counts: dict | None) -> None:
         if counts:
-            self.current = {k: counts.get(k, 0) for k in self.current}
+            self.current = {k: counts[k] for k in self.current}
 
     def retire(self) -> None:
         self.retired = self.totals()

@@ -33,7 +33,7 @@ class InProcessShards:
         return self.runner.execute(cmd)
 
     def close(self) -> None:
-        pass
+        self.runner.close()
 
 
 def _rank_main(rank: int, world: int, init_file: str, args: RunnerArgs, commands, answers) -> None:
