@@ -151,14 +151,17 @@ def experts_calls(family: dict, weights: list, quick: bool):
     if not experts:
         return
     e, k = family["experts"], family["top_k_experts"]
+    # the sort at every size a step reaches, beyond the graphs' widest too (an eager prefill of several
+    # long prompts): it compiles one variant per tile height, whatever the token count (cheap to check)
+    for tokens in (1, 16, 256, 4096, 4112, 8192, 16400):
+        ids = torch.empty(tokens, k, dtype=torch.int32)
+        for block_m in sorted({invariant.GROUPED_TILES.m, fp8.EXPERT_TILES.m}):
+            yield f"sort_pairs T={tokens} m={block_m}", lambda: routing.sort_pairs(ids, e, block_m)
     for tokens in (256, 4096) if quick else (1, 16, 256, 512, 1024, 2048, 4096):
         pairs = tokens * k
         for dtype in (torch.bfloat16, torch.float32):
             yield f"route T={tokens} {dtype}", lambda: routing.route(torch.empty(tokens, e, dtype=dtype),
                                                                      torch.empty(e), k)
-        ids = torch.empty(tokens, k, dtype=torch.int32)
-        for block_m in sorted({invariant.GROUPED_TILES.m, fp8.EXPERT_TILES.m}):
-            yield f"sort_pairs T={tokens} m={block_m}", lambda: routing.sort_pairs(ids, e, block_m)
         token, ends = _ints(pairs), torch.arange(1, e + 1, dtype=torch.int32)
         for (n_e, n, kk), wdtype in experts:
             w = torch.empty(n_e, n, kk, dtype=wdtype)

@@ -42,3 +42,9 @@ def test_every_kernel_compiles_for_the_h200_and_fits_it(tmp_path):
     # attention's key loop is pipelined wherever its tiles ask for stages (a loop body under an `if`,
     # as the interpreter's loop has, compiles to synchronous loads)
     assert kernels["_attn_kernel"]["staged_unpipelined"] == 0, kernels["_attn_kernel"]
+    # the experts' sort takes its sizes as values: token counts past every graph's (an eager prefill of
+    # several long prompts) compile nothing the warm-up did not
+    from model.kernels import fp8, invariant
+    assert kernels["_count_kernel"]["specializations"] == 1, kernels["_count_kernel"]
+    heights = len({invariant.GROUPED_TILES.m, fp8.EXPERT_TILES.m})
+    assert kernels["_place_kernel"]["specializations"] == heights, kernels["_place_kernel"]

@@ -52,40 +52,44 @@ def route(scores: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple
     return weights, ids
 
 
-@triton.jit
-def _count_kernel(ids_ptr, counts_ptr, P, E, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
+@triton.jit(do_not_specialize=["P", "CHUNK"])
+def _count_kernel(ids_ptr, counts_ptr, P, E, CHUNK, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
     c = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for s0 in range(0, CHUNK, SUB):
+    s0 = 0
+    while s0 < CHUNK:
         i = c * CHUNK + s0 + tl.arange(0, SUB)
         ids = tl.load(ids_ptr + i, mask=i < P, other=BLOCK_E)
         counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)
+        s0 += SUB
     tl.store(counts_ptr + c * E + e, counts, mask=e < E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "C", "MT", "CHUNK"])
 def _place_kernel(ids_ptr, counts_ptr, token_ptr, slot_ptr, ends_ptr, tile_expert_ptr, tile_row_ptr, P, E, K, C, MT,
-                  BM: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr,
-                  BLOCK_E: tl.constexpr, C_BOUND: tl.constexpr):
+                  CHUNK, BM: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
     c = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     r = tl.arange(0, ROWS)
     total = tl.zeros((BLOCK_E,), dtype=tl.int32)    # each expert's pairs in all chunks
     before = tl.zeros((BLOCK_E,), dtype=tl.int32)   # ... in the chunks before this one
-    for c0 in range(0, C_BOUND, ROWS):
+    c0 = 0
+    while c0 < C:
         rows = c0 + r
         block = tl.load(counts_ptr + rows[:, None] * E + e[None, :], mask=(rows[:, None] < C) & (e[None, :] < E),
                         other=0)
         total += tl.sum(block, 0)
         before += tl.sum(tl.where(rows[:, None] < c, block, 0), 0)
+        c0 += ROWS
     ends = tl.cumsum(total, 0)
     starts = ends - total
     if c == 0:
         tl.store(ends_ptr + e, ends, mask=e < E)
     if c < C:   # this chunk's pairs: after the lower experts', the earlier chunks' and its own earlier pairs
         base = starts + before
-        for s0 in range(0, CHUNK, SUB):
+        s0 = 0
+        while s0 < CHUNK:
             i = c * CHUNK + s0 + tl.arange(0, SUB)
             ids = tl.load(ids_ptr + i, mask=i < P, other=BLOCK_E)
             onehot = (ids[:, None] == e[None, :]).to(tl.int32)
@@ -94,6 +98,7 @@ def _place_kernel(ids_ptr, counts_ptr, token_ptr, slot_ptr, ends_ptr, tile_exper
             tl.store(slot_ptr + i, place.to(tl.int64), mask=i < P)
             tl.store(token_ptr + place, (i // K).to(tl.int64), mask=i < P)
             base += tl.sum(onehot, 0)
+            s0 += SUB
     # tiles c * ROWS + r of the map: tile t belongs to the expert whose tiles end after it (E: a spare tile)
     per = (total + BM - 1) // BM
     tile_end = tl.cumsum(per, 0)
@@ -113,8 +118,9 @@ def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
     t, k = ids.shape
     p, e, dev = t * k, num_experts, ids.device
     flat = ids.reshape(-1).contiguous()
-    # at most MAX_CHUNKS chunks, so the counts every placing program reads stay few; a power-of-two
-    # number of SUBs each (a compile-time size: few variants over the batch sizes)
+    # at most MAX_CHUNKS chunks, so the counts every placing program reads stay few. Sizes and counts are
+    # runtime values, not specialized (while loops: the interpreter takes no loaded bound in a range), so
+    # one variant of each kernel serves every token count: a prefill wider than any graph compiles nothing
     chunk = max(SUB, triton.next_power_of_2(triton.cdiv(p, MAX_CHUNKS)))
     chunks = triton.cdiv(p, chunk)
     block_e = triton.next_power_of_2(e)
@@ -125,9 +131,8 @@ def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
     tile_row = torch.empty(mt, dtype=torch.int32, device=dev)
     token = torch.empty(p, dtype=torch.int64, device=dev)
     slot = torch.empty(p, dtype=torch.int64, device=dev)
-    _count_kernel[(chunks,)](flat, counts, p, e, CHUNK=chunk, SUB=SUB, BLOCK_E=block_e, num_warps=4)
-    # loop bounds are compile-time (the interpreter needs them so), powers of two: few variants
+    _count_kernel[(chunks,)](flat, counts, p, e, chunk, SUB=SUB, BLOCK_E=block_e, num_warps=4)
     _place_kernel[(max(chunks, triton.cdiv(mt, ROWS)),)](
-        flat, counts, token, slot, ends, tile_expert, tile_row, p, e, k, chunks, mt, BM=block_m, CHUNK=chunk, SUB=SUB,
-        ROWS=ROWS, BLOCK_E=block_e, C_BOUND=triton.next_power_of_2(chunks), num_warps=4)
+        flat, counts, token, slot, ends, tile_expert, tile_row, p, e, k, chunks, mt, chunk, BM=block_m, SUB=SUB,
+        ROWS=ROWS, BLOCK_E=block_e, num_warps=4)
     return token, slot, ends, tile_expert, tile_row
