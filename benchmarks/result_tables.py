@@ -238,6 +238,15 @@ TABLES: dict[str, Table] = {
         Row("long prompt (16k tokens): running requests' ITL p99 with it / without, chunked prefill",
             ("long_prompt_itl_p99_ratio_chunked",), ".3g", "<= 2", "H100"),
     )),
+    # docs/benchmarking.md: benchmarks/ttft_breakdown.py, cache_bench's lone chat on the engine alone
+    "ttft-breakdown": Table("Nemotron-LD 8B shapes, AR, a 4k-token prefix, ms (median)", (
+        *(Row(f"{case}: first token / its commands / their prefills / their steps",
+              tuple(f"ttft.{case}.{part}_ms" for part in ("ttft", "command", "prefill", "steps")), ".3g", card="H100")
+          for case in ("cold", "cached", "short")),
+        Row("cached: the scheduler's schedule / apply", ("ttft.cached.schedule_ms", "ttft.cached.apply_ms"), ".3g",
+            card="H100"),
+        Row("first token cached / cold, in one process", ("ttft.cached_over_cold",), ".3g", "<= 0.2", "H100"),
+    )),
     # docs/benchmarking.md: benchmarks/kv_capacity.py, the scheduler's admission over each full-size layout
     "kv-capacity": Table("1k-token prompts, 128 tokens each, at once", tuple(
         Row(f"{name}, max_model_len {n}: 8 slots' memory, paged / a slot each",

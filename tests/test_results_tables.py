@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from benchmarks import (cache_bench, grammar_steps, kv_capacity, prefix_lookup_bench, results, roofline, serve_bench,
-                        step_bound, traffic)
+                        step_bound, traffic, ttft_breakdown)
 from benchmarks.bench_stats import RequestResult, summarize
 from benchmarks.result_tables import TABLES
 from benchmarks.results import Result, Row, Table
@@ -194,5 +194,8 @@ def test_every_figure_a_table_names_is_one_a_benchmark_writes(tmp_path, monkeypa
         f"kv_capacity.{family}.{n}.{k}": 1.0 for k in ("slots", "paged", "ratio", "full_pages")})
     written |= set(kv_capacity.main([]))
     written |= set(grammar_steps.measure(grammar_steps.DEFAULT_MODEL, requests=1, max_tokens=8))
+    row = {"ttft": 2.0, "schedule": 0.1, "command": 1.0, "prefill": 0.5, "steps": 0.4, "apply": 0.1, "commands": 1,
+           "cached_tokens": 0}
+    written |= set(ttft_breakdown.figures({"cold": row, "cached": row, "short": row}))
     named = {k for table in TABLES.values() for row in table.rows for k in row.keys}
     assert {k for k in named if not any(b in k for b in BACKFILLED)} <= written

@@ -1,0 +1,165 @@
+"""Where a cached turn's time to first token goes, in one process (no HTTP, no Serve, no Ray).
+
+    python -m benchmarks.ttft_breakdown --model DIR [--prefix-tokens 4096] [--suffix-tokens 29] [KEY=VALUE ...]
+
+cache_bench measures a lone chat's TTFT through HTTP; this splits the same request's path on the engine
+(the scheduler, the shard's command, and in it the prefill and the steps), so that the served figure minus
+this one is what HTTP, Serve and the coordinator's Ray calls cost. Requests are greedy, AR mode (their
+first token is their prefill and their first command), `--first-tokens` tokens long as the served
+request's first command is. Measured, the median of `--turns` requests each:
+
+  cold      a fresh prompt of prefix + suffix tokens (prefilled in chunks of the server's prefill chunk);
+  cached    the same prefix with a new suffix: its cached pages are not prefilled again;
+  short     a fresh prompt of the suffix's length alone: a prefill from position 0 (a CUDA graph where the
+            runner has them), to set beside the cached prompt's eager prefill of as many tokens.
+
+The parts are timed with the device synchronized at their ends (so they add up; the served path overlaps
+the host's work with the device's where it can). KEY=VALUE: Engine arguments (load_format=dummy,
+max_model_len=8192, num_slots=8, dtype=bfloat16, device=cuda, ...). A result file is written (tool
+`ttft_breakdown`); docs/benchmarking.md says how to read it.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import results
+
+DEFAULTS = {"device": "cuda", "dtype": "bfloat16", "load_format": "dummy", "num_slots": 8, "max_model_len": 8192}
+
+
+class Timed:
+    """Wraps a function, summing the seconds of its calls since the last `take`; with `sync`, the device
+    finishes the call's work before its end is read."""
+
+    def __init__(self, fn, sync):
+        self.fn, self.sync, self.seconds = fn, sync, 0.0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.sync()
+            self.seconds += time.perf_counter() - start
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def _value(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+class Breakdown:
+    """An engine whose scheduler, command, prefill and steps are timed."""
+
+    def __init__(self, model: Path, engine_args: dict):
+        from workers.engine import Engine
+
+        self.engine = Engine(str(model), **engine_args)
+        runner = self.engine.shards.runner
+        runner.warm_up()
+        cuda = str(engine_args.get("device", "")).startswith("cuda")
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        self.parts = {"schedule": Timed(self.engine.scheduler.schedule, lambda: None),
+                      "command": Timed(runner.execute, sync),
+                      "prefill": Timed(runner._prefill, sync),
+                      "steps": Timed(runner._run, sync),
+                      "apply": Timed(self.engine.scheduler.apply, lambda: None)}
+        self.engine.scheduler.schedule, runner.execute = self.parts["schedule"], self.parts["command"]
+        runner._prefill, runner._run = self.parts["prefill"], self.parts["steps"]
+        self.engine.scheduler.apply = self.parts["apply"]
+
+    def first_token(self, prompt: list[int], params) -> dict[str, float]:
+        """Milliseconds from the request's arrival to its first token, and each part's share of them;
+        then the request runs to its end (untimed)."""
+        for part in self.parts.values():
+            part.take()
+        start = time.perf_counter()
+        request = self.engine.add(prompt, params)
+        commands = 0
+        while not request.output:
+            self.engine.step()
+            commands += 1
+        total = time.perf_counter() - start
+        row = {name: 1e3 * part.take() for name, part in self.parts.items()}
+        row["ttft"], row["commands"], row["cached_tokens"] = 1e3 * total, commands, request.cached_tokens
+        self.engine.run([request])
+        return row
+
+    def close(self) -> None:
+        self.engine.shards.close()
+
+
+def median_rows(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def measure(model: Path, engine_args: dict, prefix_tokens: int, suffix_tokens: int, turns: int, first_tokens: int,
+            seed: int = 0) -> dict[str, dict[str, float]]:
+    from model.sampling.params import DecodeParams
+
+    params = DecodeParams(temperature=0, max_tokens=first_tokens, ignore_eos=True, mode="ar")
+    bench = Breakdown(model, engine_args)
+    rng, vocab = random.Random(seed), min(bench.engine.config.vocab_size, 1000)
+    words = lambda n: [rng.randrange(10, vocab) for _ in range(n)]   # noqa: E731
+    try:
+        bench.first_token(words(prefix_tokens + suffix_tokens), params)   # first calls of each path, untimed
+        prefix = words(prefix_tokens)
+        bench.first_token(prefix + words(suffix_tokens), params)
+        return {"cold": median_rows([bench.first_token(words(prefix_tokens + suffix_tokens), params)
+                                     for _ in range(turns)]),
+                "cached": median_rows([bench.first_token(prefix + words(suffix_tokens), params) for _ in range(turns)]),
+                "short": median_rows([bench.first_token(words(suffix_tokens), params) for _ in range(turns)])}
+    finally:
+        bench.close()
+
+
+def figures(measured: dict[str, dict[str, float]]) -> dict[str, float]:
+    out = {f"ttft.{case}.{part}" + ("" if part in ("commands", "cached_tokens") else "_ms"): value
+           for case, row in measured.items() for part, value in row.items()}
+    out["ttft.cached_over_cold"] = measured["cached"]["ttft"] / measured["cold"]["ttft"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--prefix-tokens", type=int, default=4096)
+    ap.add_argument("--suffix-tokens", type=int, default=29, help="a turn's new tokens (cache_bench's are about this)")
+    ap.add_argument("--first-tokens", type=int, default=2, help="max_tokens, so the first command runs as many steps")
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--results-dir", type=Path, default=results.RESULTS)
+    ap.add_argument("engine_args", nargs="*", metavar="KEY=VALUE")
+    args = ap.parse_args(argv)
+    engine_args = dict(DEFAULTS)
+    for item in args.engine_args:
+        key, _, value = item.partition("=")
+        engine_args[key] = _value(value)
+    measured = measure(args.model, engine_args, args.prefix_tokens, args.suffix_tokens, args.turns, args.first_tokens)
+    parts = ("ttft", "schedule", "command", "prefill", "steps", "apply")
+    print(f"{'ms, median of ' + str(args.turns):<22}" + "".join(f"{p:>10}" for p in parts) + f"{'commands':>10}")
+    for case, row in measured.items():
+        print(f"{case:<22}" + "".join(f"{row[p]:>10.2f}" for p in parts) + f"{row['commands']:>10.0f}")
+    out = figures(measured)
+    print(f"cached / cold TTFT: {out['ttft.cached_over_cold']:.3f} ({out['ttft.cached.cached_tokens']:.0f} tokens cached)")
+    results.write(out, "ttft_breakdown", results_dir=args.results_dir,
+                  note=f"model {args.model.name}; {args.prefix_tokens}-token prefix + {args.suffix_tokens}-token suffix, "
+                       f"AR, {args.first_tokens} tokens; {engine_args}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,24 @@
+"""benchmarks/ttft_breakdown.py on the CPU: its parts are wired to the engine's (each timed, nested
+inside the command and the request), a cached prompt skips its prefix's pages, and a cold prompt longer
+than the prefill chunk takes a command a chunk."""
+from __future__ import annotations
+
+from benchmarks import ttft_breakdown
+from model.protocol import PAGE_SIZE
+
+
+def test_the_breakdown_times_each_part_of_a_cached_and_a_cold_first_token(tiny_nemotron):
+    prefix, suffix, chunk = 200, 29, 64
+    measured = ttft_breakdown.measure(tiny_nemotron, {"device": "cpu", "num_slots": 2, "max_model_len": 512,
+                                                      "prefill_chunk": chunk}, prefix, suffix, turns=2, first_tokens=2)
+    for case, row in measured.items():
+        assert row["prefill"] > 0 and row["steps"] > 0, (case, row)
+        assert row["command"] >= row["prefill"] + row["steps"], (case, row)
+        assert row["ttft"] >= row["command"] + row["schedule"] + row["apply"], (case, row)
+    assert measured["cached"]["cached_tokens"] == prefix // PAGE_SIZE * PAGE_SIZE
+    assert measured["cold"]["cached_tokens"] == measured["short"]["cached_tokens"] == 0
+    assert measured["cold"]["commands"] == -(-(prefix + suffix) // chunk)
+    assert measured["cached"]["commands"] == measured["short"]["commands"] == 1
+    figures = ttft_breakdown.figures(measured)
+    assert figures["ttft.cached_over_cold"] == measured["cached"]["ttft"] / measured["cold"]["ttft"]
+    assert figures["ttft.cached.prefill_ms"] == measured["cached"]["prefill"]
