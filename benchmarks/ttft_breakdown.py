@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suffix-tokens", type=int, default=29, help="a turn's new tokens (cache_bench's are about this)")
     ap.add_argument("--first-tokens", type=int, default=2, help="max_tokens, so the first command runs as many steps")
     ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--results-dir", type=Path, default=results.RESULTS)
+    ap.add_argument("--results-dir", type=results.directory, default=results.DEFAULT_DIR,
+                    help="where the result file goes ($OUT where set); '' writes none")
     ap.add_argument("engine_args", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     engine_args = dict(DEFAULTS)
@@ -155,9 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{case:<22}" + "".join(f"{row[p]:>10.2f}" for p in parts) + f"{row['commands']:>10.0f}")
     out = figures(measured)
     print(f"cached / cold TTFT: {out['ttft.cached_over_cold']:.3f} ({out['ttft.cached.cached_tokens']:.0f} tokens cached)")
-    results.write(out, "ttft_breakdown", results_dir=args.results_dir,
-                  note=f"model {args.model.name}; {args.prefix_tokens}-token prefix + {args.suffix_tokens}-token suffix, "
-                       f"AR, {args.first_tokens} tokens; {engine_args}")
+    if args.results_dir is not None:
+        results.write(out, "ttft_breakdown", results_dir=args.results_dir,
+                      note=f"model {args.model.name}; {args.prefix_tokens}-token prefix + {args.suffix_tokens}-token "
+                           f"suffix, AR, {args.first_tokens} tokens; {engine_args}")
     return 0
 
 
