@@ -77,9 +77,15 @@ class PlacementWatch:
         return self.failed
 
     async def run(self) -> None:
+        """Polls until cancelled, or until the replica shuts down (its thread pool then takes no more work)."""
+        loop = asyncio.get_running_loop()
         while True:
             try:
-                await asyncio.wait_for(asyncio.to_thread(self.poll), 10 * POLL_S)
+                poll = loop.run_in_executor(None, self.poll)
+            except RuntimeError:   # the executor is shut down: the replica is stopping, and so is the watch
+                return
+            try:
+                await asyncio.wait_for(poll, 10 * POLL_S)
             except Exception as err:  # noqa: BLE001 - a GCS hiccup must not end the watch
                 log.warning("placement watch: %s: %s", type(err).__name__, err)
             await asyncio.sleep(POLL_S)

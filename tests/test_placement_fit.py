@@ -86,3 +86,34 @@ def test_autoscaling_and_replica_arguments():
         AppArgs(autoscaling_config={"min_replicas": 0, "max_replicas": 2})
     with pytest.raises(pydantic.ValidationError, match="shard_cpus"):
         AppArgs(shard_cpus=0)
+
+
+def test_the_watch_ends_quietly_when_its_replica_stops(caplog):
+    """A stopping replica shuts its thread pool down before the watch task ends: the watch then stops
+    instead of logging, every poll, a warning about futures after shutdown; a poll that fails (a GCS
+    hiccup) is logged and the watch goes on."""
+    import asyncio
+
+    from deployments import placement
+
+    polls = []
+
+    class Hiccup(placement.PlacementWatch):
+        def poll(self):
+            polls.append(1)
+            raise ConnectionError("GCS unreachable")
+
+    async def main():
+        watch = Hiccup("app", AppArgs())
+        loop = asyncio.get_running_loop()
+        going = loop.create_task(watch.run())
+        while not polls:
+            await asyncio.sleep(0.01)
+        assert not going.done()
+        going.cancel()
+        await loop.shutdown_default_executor()
+        await asyncio.wait_for(watch.run(), 2)   # returns at once: the executor takes no more work
+
+    with caplog.at_level("WARNING", logger=placement.log.name):
+        asyncio.run(main())
+    assert [r.getMessage() for r in caplog.records] == ["placement watch: ConnectionError: GCS unreachable"]
