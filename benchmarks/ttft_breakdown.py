@@ -16,7 +16,8 @@ request's first command is. Measured, the median of `--turns` requests each:
 The parts are timed with the device synchronized at their ends (so they add up; the served path overlaps
 the host's work with the device's where it can). KEY=VALUE: Engine arguments (load_format=dummy,
 max_model_len=8192, num_slots=8, dtype=bfloat16, device=cuda, ...). A result file is written (tool
-`ttft_breakdown`); docs/benchmarking.md says how to read it.
+`ttft_breakdown`); docs/benchmarking.md says how to read it. `--profile FILE` writes one more cached
+turn's ops under torch's profiler, by host and by device time.
 """
 from __future__ import annotations
 
@@ -107,8 +108,23 @@ def median_rows(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
+def profiled(bench: Breakdown, prompt: list[int], params, out: Path) -> None:
+    """One more first token under torch's profiler: its ops by self host time and by device time, to `out`."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        bench.first_token(prompt, params)
+    table = prof.key_averages()
+    sections = [("self host time", "self_cpu_time_total")]
+    if len(activities) > 1:
+        sections.append(("self device time", "self_device_time_total"))
+    out.write_text("".join(f"== by {what}\n{table.table(sort_by=key, row_limit=40)}\n" for what, key in sections))
+
+
 def measure(model: Path, engine_args: dict, prefix_tokens: int, suffix_tokens: int, turns: int, first_tokens: int,
-            seed: int = 0) -> dict[str, dict[str, float]]:
+            seed: int = 0, profile: Path | None = None) -> dict[str, dict[str, float]]:
+    """The median row of each case; with `profile`, one more cached turn's profile is written there."""
     from model.sampling.params import DecodeParams
 
     params = DecodeParams(temperature=0, max_tokens=first_tokens, ignore_eos=True, mode="ar")
@@ -119,10 +135,14 @@ def measure(model: Path, engine_args: dict, prefix_tokens: int, suffix_tokens: i
         bench.first_token(words(prefix_tokens + suffix_tokens), params)   # first calls of each path, untimed
         prefix = words(prefix_tokens)
         bench.first_token(prefix + words(suffix_tokens), params)
-        return {"cold": median_rows([bench.first_token(words(prefix_tokens + suffix_tokens), params)
-                                     for _ in range(turns)]),
-                "cached": median_rows([bench.first_token(prefix + words(suffix_tokens), params) for _ in range(turns)]),
-                "short": median_rows([bench.first_token(words(suffix_tokens), params) for _ in range(turns)])}
+        measured = {"cold": median_rows([bench.first_token(words(prefix_tokens + suffix_tokens), params)
+                                         for _ in range(turns)]),
+                    "cached": median_rows([bench.first_token(prefix + words(suffix_tokens), params)
+                                           for _ in range(turns)]),
+                    "short": median_rows([bench.first_token(words(suffix_tokens), params) for _ in range(turns)])}
+        if profile is not None:
+            profiled(bench, prefix + words(suffix_tokens), params, profile)
+        return measured
     finally:
         bench.close()
 
@@ -143,13 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--results-dir", type=results.directory, default=results.DEFAULT_DIR,
                     help="where the result file goes ($OUT where set); '' writes none")
+    ap.add_argument("--profile", type=Path, help="also profile one cached turn (torch.profiler) into this file")
     ap.add_argument("engine_args", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     engine_args = dict(DEFAULTS)
     for item in args.engine_args:
         key, _, value = item.partition("=")
         engine_args[key] = _value(value)
-    measured = measure(args.model, engine_args, args.prefix_tokens, args.suffix_tokens, args.turns, args.first_tokens)
+    measured = measure(args.model, engine_args, args.prefix_tokens, args.suffix_tokens, args.turns, args.first_tokens,
+                       profile=args.profile)
     parts = ("ttft", "schedule", "command", "prefill", "steps", "apply")
     print(f"{'ms, median of ' + str(args.turns):<22}" + "".join(f"{p:>10}" for p in parts) + f"{'commands':>10}")
     for case, row in measured.items():

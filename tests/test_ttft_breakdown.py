@@ -7,10 +7,12 @@ from benchmarks import ttft_breakdown
 from model.protocol import PAGE_SIZE
 
 
-def test_the_breakdown_times_each_part_of_a_cached_and_a_cold_first_token(tiny_nemotron):
+def test_the_breakdown_times_each_part_of_a_cached_and_a_cold_first_token(tiny_nemotron, tmp_path):
     prefix, suffix, chunk = 200, 29, 64
+    profile = tmp_path / "profile.txt"
     measured = ttft_breakdown.measure(tiny_nemotron, {"device": "cpu", "num_slots": 2, "max_model_len": 512,
-                                                      "prefill_chunk": chunk}, prefix, suffix, turns=2, first_tokens=2)
+                                                      "prefill_chunk": chunk}, prefix, suffix, turns=2, first_tokens=2,
+                                      profile=profile)
     for case, row in measured.items():
         assert row["prefill"] > 0 and row["steps"] > 0, (case, row)
         assert row["command"] >= row["prefill"] + row["steps"], (case, row)
@@ -22,3 +24,4 @@ def test_the_breakdown_times_each_part_of_a_cached_and_a_cold_first_token(tiny_n
     figures = ttft_breakdown.figures(measured)
     assert figures["ttft.cached_over_cold"] == measured["cached"]["ttft"] / measured["cold"]["ttft"]
     assert figures["ttft.cached.prefill_ms"] == measured["cached"]["prefill"]
+    assert "by self host time" in profile.read_text() and "aten::" in profile.read_text()
