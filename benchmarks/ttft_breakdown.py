@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 from pathlib import Path
 
@@ -36,12 +35,13 @@ DEFAULTS = {"device": "cuda", "dtype": "bfloat16", "load_format": "dummy", "num_
 
 class Timed:
     """Wraps a function, summing the seconds of its calls since the last `take`; with `sync`, the device
-    finishes the call's work before its end is read."""
+    finishes the work queued before the call (not counted) and the call's own before its end is read."""
 
     def __init__(self, fn, sync):
         self.fn, self.sync, self.seconds = fn, sync, 0.0
 
     def __call__(self, *args, **kwargs):
+        self.sync()
         start = time.perf_counter()
         try:
             return self.fn(*args, **kwargs)
@@ -91,7 +91,7 @@ class Breakdown:
         start = time.perf_counter()
         request = self.engine.add(prompt, params)
         commands = 0
-        while not request.output:
+        while not request.output and not request.finished:
             self.engine.step()
             commands += 1
         total = time.perf_counter() - start
@@ -104,8 +104,17 @@ class Breakdown:
         self.engine.shards.close()
 
 
-def median_rows(rows: list[dict[str, float]]) -> dict[str, float]:
-    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+def median_row(rows: list[dict[str, float]]) -> dict[str, float]:
+    """The row of the median first token (the lower middle of an even count): its parts add up."""
+    return sorted(rows, key=lambda r: r["ttft"])[(len(rows) - 1) // 2]
+
+
+def uniform(rows: list[dict[str, float]], case: str, cached_tokens: int) -> list[dict[str, float]]:
+    """The rows, each of which found `cached_tokens` cached (a case that did not is not that case)."""
+    found = sorted({r["cached_tokens"] for r in rows})
+    if found != [cached_tokens]:
+        raise RuntimeError(f"{case}: cached tokens {found}, expected {cached_tokens} in every turn")
+    return rows
 
 
 def profiled(bench: Breakdown, prompt: list[int], params, out: Path) -> None:
@@ -125,21 +134,28 @@ def profiled(bench: Breakdown, prompt: list[int], params, out: Path) -> None:
 def measure(model: Path, engine_args: dict, prefix_tokens: int, suffix_tokens: int, turns: int, first_tokens: int,
             seed: int = 0, profile: Path | None = None) -> dict[str, dict[str, float]]:
     """The median row of each case; with `profile`, one more cached turn's profile is written there."""
+    from model.protocol import PAGE_SIZE
     from model.sampling.params import DecodeParams
 
+    if engine_args.get("tp", 1) != 1:
+        raise ValueError("ttft_breakdown times the shard in this process: tp=1 only")
     params = DecodeParams(temperature=0, max_tokens=first_tokens, ignore_eos=True, mode="ar")
     bench = Breakdown(model, engine_args)
     rng, vocab = random.Random(seed), min(bench.engine.config.vocab_size, 1000)
     words = lambda n: [rng.randrange(10, vocab) for _ in range(n)]   # noqa: E731
     try:
-        bench.first_token(words(prefix_tokens + suffix_tokens), params)   # first calls of each path, untimed
+        # untimed first calls of each path: a cold prompt, then the prefix cached and a first turn past it;
+        # the cached turns run first, while the prefix's pages are the most recently used
+        bench.first_token(words(prefix_tokens + suffix_tokens), params)
         prefix = words(prefix_tokens)
         bench.first_token(prefix + words(suffix_tokens), params)
-        measured = {"cold": median_rows([bench.first_token(words(prefix_tokens + suffix_tokens), params)
-                                         for _ in range(turns)]),
-                    "cached": median_rows([bench.first_token(prefix + words(suffix_tokens), params)
-                                           for _ in range(turns)]),
-                    "short": median_rows([bench.first_token(words(suffix_tokens), params) for _ in range(turns)])}
+        bench.first_token(prefix + words(suffix_tokens), params)
+        cached = uniform([bench.first_token(prefix + words(suffix_tokens), params) for _ in range(turns)], "cached",
+                         prefix_tokens // PAGE_SIZE * PAGE_SIZE)
+        cold = uniform([bench.first_token(words(prefix_tokens + suffix_tokens), params) for _ in range(turns)],
+                       "cold", 0)
+        short = uniform([bench.first_token(words(suffix_tokens), params) for _ in range(turns)], "short", 0)
+        measured = {"cold": median_row(cold), "cached": median_row(cached), "short": median_row(short)}
         if profile is not None:
             profiled(bench, prefix + words(suffix_tokens), params, profile)
         return measured

@@ -14,7 +14,7 @@ def test_the_breakdown_times_each_part_of_a_cached_and_a_cold_first_token(tiny_n
                                                       "prefill_chunk": chunk}, prefix, suffix, turns=2, first_tokens=2,
                                       profile=profile)
     for case, row in measured.items():
-        assert row["prefill"] > 0 and row["steps"] > 0, (case, row)
+        assert min(row[p] for p in ("schedule", "command", "prefill", "steps", "apply")) > 0, (case, row)
         assert row["command"] >= row["prefill"] + row["steps"], (case, row)
         assert row["ttft"] >= row["command"] + row["schedule"] + row["apply"], (case, row)
     assert measured["cached"]["cached_tokens"] == prefix // PAGE_SIZE * PAGE_SIZE

@@ -133,5 +133,6 @@ def run(device, dtypes, routing=True, routed=None):
             assert ours.dtype == dtype
             err = ((ours.float() - ref).abs() / (ref.abs() + 1)).max().item()
             assert err <= tol, ("combine", dtype, h, err)
-    for (t, k, e, block_m) in ((5, 2, 8, 4), (300, 8, 128, 64), (1100, 8, 128, 64)) if routing else ():
-        routing_case(t, k, e, block_m, seed=t, device=device, routed=routed)   # 1 and 2 SUBs a chunk
+    # 1 and 2 SUBs a chunk; (3, 8, 128, 64): more programs than chunks (those write only the tile map)
+    for (t, k, e, block_m) in ((5, 2, 8, 4), (3, 8, 128, 64), (300, 8, 128, 64), (1100, 8, 128, 64)) if routing else ():
+        routing_case(t, k, e, block_m, seed=t, device=device, routed=routed)
