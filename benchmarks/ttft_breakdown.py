@@ -6,15 +6,17 @@ cache_bench measures a lone chat's TTFT through HTTP; this splits the same reque
 (the scheduler, the shard's command, and in it the prefill and the steps), so that the served figure minus
 this one is what HTTP, Serve and the coordinator's Ray calls cost. Requests are greedy, AR mode (their
 first token is their prefill and their first command), `--first-tokens` tokens long as the served
-request's first command is. Measured, the median of `--turns` requests each:
+request's first command is. Measured, of `--turns` requests each, the one whose first token is the median
+(the cached ones first, while their prefix is the pool's most recently used; every turn of a case must
+find its case's cached tokens, else the run fails):
 
   cold      a fresh prompt of prefix + suffix tokens (prefilled in chunks of the server's prefill chunk);
   cached    the same prefix with a new suffix: its cached pages are not prefilled again;
   short     a fresh prompt of the suffix's length alone: a prefill from position 0 (a CUDA graph where the
             runner has them), to set beside the cached prompt's eager prefill of as many tokens.
 
-The parts are timed with the device synchronized at their ends (so they add up; the served path overlaps
-the host's work with the device's where it can). KEY=VALUE: Engine arguments (load_format=dummy,
+The parts are timed with the device synchronized at their starts and ends (so they add up; the served
+path overlaps the host's work with the device's where it can). KEY=VALUE: Engine arguments (load_format=dummy,
 max_model_len=8192, num_slots=8, dtype=bfloat16, device=cuda, ...). A result file is written (tool
 `ttft_breakdown`); docs/benchmarking.md says how to read it. `--profile FILE` writes one more cached
 turn's ops under torch's profiler, by host and by device time.
