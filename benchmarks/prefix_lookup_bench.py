@@ -19,27 +19,13 @@ import time
 from pathlib import Path
 
 from benchmarks import results
+from benchmarks.timed import Timed
 from model.sampling.params import DecodeParams
 from workers import kv_pages
 from workers.kv_pages import KVPages, PageGroup
 from workers.scheduler import Scheduler
 
 PAGE = 16
-
-
-class Timed:
-    """Wraps a function, summing the seconds its calls take."""
-
-    def __init__(self, fn):
-        self.fn, self.seconds, self.calls = fn, 0.0, 0
-
-    def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return self.fn(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - start
-            self.calls += 1
 
 
 def fill(pages: KVPages, cached_pages: int, prompt_len: int, rng: random.Random) -> None:

@@ -31,38 +31,30 @@ from pathlib import Path
 import torch
 
 from benchmarks import results
+from benchmarks.timed import Timed
 
 DEFAULTS = {"device": "cuda", "dtype": "bfloat16", "load_format": "dummy", "num_slots": 8, "max_model_len": 8192}
 
 
-class Timed:
-    """Wraps a function, summing the seconds of its calls since the last `take`; with `sync`, the device
-    finishes the work queued before the call (not counted) and the call's own before its end is read."""
+def engine_args(items: list[str]) -> dict:
+    """DEFAULTS with the KEY=VALUE items over them, each validated against the Engine's own annotation."""
+    import typing
 
-    def __init__(self, fn, sync):
-        self.fn, self.sync, self.seconds = fn, sync, 0.0
+    import pydantic
 
-    def __call__(self, *args, **kwargs):
-        self.sync()
-        start = time.perf_counter()
+    from workers.engine import Engine
+
+    hints = {k: v for k, v in typing.get_type_hints(Engine.__init__).items() if k not in ("return", "model_dir")}
+    out = dict(DEFAULTS)
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or key not in hints:
+            raise SystemExit(f"{item!r}: expected KEY=VALUE, KEY an Engine argument: {', '.join(sorted(hints))}")
         try:
-            return self.fn(*args, **kwargs)
-        finally:
-            self.sync()
-            self.seconds += time.perf_counter() - start
-
-    def take(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
-
-
-def _value(text: str):
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
+            out[key] = pydantic.TypeAdapter(hints[key]).validate_python(value)
+        except pydantic.ValidationError as err:
+            raise SystemExit(f"{item!r}: {err.errors()[0]['msg']}") from None
+    return out
 
 
 class Breakdown:
@@ -75,12 +67,12 @@ class Breakdown:
         runner = self.engine.shards.runner
         runner.warm_up()
         cuda = str(engine_args.get("device", "")).startswith("cuda")
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
-        self.parts = {"schedule": Timed(self.engine.scheduler.schedule, lambda: None),
+        sync = torch.cuda.synchronize if cuda else None
+        self.parts = {"schedule": Timed(self.engine.scheduler.schedule),
                       "command": Timed(runner.execute, sync),
                       "prefill": Timed(runner._prefill, sync),
                       "steps": Timed(runner._run, sync),
-                      "apply": Timed(self.engine.scheduler.apply, lambda: None)}
+                      "apply": Timed(self.engine.scheduler.apply)}
         self.engine.scheduler.schedule, runner.execute = self.parts["schedule"], self.parts["command"]
         runner._prefill, runner._run = self.parts["prefill"], self.parts["steps"]
         self.engine.scheduler.apply = self.parts["apply"]
@@ -184,11 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=Path, help="also profile one cached turn (torch.profiler) into this file")
     ap.add_argument("engine_args", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_args(argv)
-    engine_args = dict(DEFAULTS)
-    for item in args.engine_args:
-        key, _, value = item.partition("=")
-        engine_args[key] = _value(value)
-    measured = measure(args.model, engine_args, args.prefix_tokens, args.suffix_tokens, args.turns, args.first_tokens,
+    engine = engine_args(args.engine_args)
+    measured = measure(args.model, engine, args.prefix_tokens, args.suffix_tokens, args.turns, args.first_tokens,
                        profile=args.profile)
     parts = ("ttft", "schedule", "command", "prefill", "steps", "apply")
     print(f"{'ms, median of ' + str(args.turns):<22}" + "".join(f"{p:>10}" for p in parts) + f"{'commands':>10}")
@@ -199,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.results_dir is not None:
         results.write(out, "ttft_breakdown", results_dir=args.results_dir,
                       note=f"model {args.model.name}; {args.prefix_tokens}-token prefix + {args.suffix_tokens}-token "
-                           f"suffix, AR, {args.first_tokens} tokens; {engine_args}")
+                           f"suffix, AR, {args.first_tokens} tokens; {engine}")
     return 0
 
 

@@ -25,3 +25,14 @@ def test_the_breakdown_times_each_part_of_a_cached_and_a_cold_first_token(tiny_n
     assert figures["ttft.cached_over_cold"] == measured["cached"]["ttft"] / measured["cold"]["ttft"]
     assert figures["ttft.cached.prefill_ms"] == measured["cached"]["prefill"]
     assert "by self host time" in profile.read_text() and "aten::" in profile.read_text()
+
+
+def test_engine_arguments_take_the_engines_own_types_and_names():
+    import pytest
+
+    args = ttft_breakdown.engine_args(["num_slots=2", "batch_invariant=true", "gpu_memory_utilization=0.8"])
+    assert (args["num_slots"], args["batch_invariant"], args["gpu_memory_utilization"]) == (2, True, 0.8)
+    assert args["device"] == ttft_breakdown.DEFAULTS["device"]
+    for bad, says in (("num_slot=2", "num_slots"), ("num_slots=two", "integer"), ("num_slots", "KEY=VALUE")):
+        with pytest.raises(SystemExit, match=says):
+            ttft_breakdown.engine_args([bad])
