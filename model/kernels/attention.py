@@ -157,27 +157,11 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, out_ptr, part_ptr, ml_ptr, slot_pt
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
-def _split_max(m, ml_ptr, s, BHKV, pid_bh, LG, r, row_ok):
-    row = (s * BHKV + pid_bh).to(tl.int64) * LG + r
-    return tl.maximum(m, tl.load(ml_ptr + row * 2, mask=row_ok, other=float("-inf")))
-
-
-@triton.jit
-def _split_add(l, acc, m, part_ptr, ml_ptr, s, BHKV, pid_bh, LG, r, row_ok, mask, d, D: tl.constexpr):
-    row = (s * BHKV + pid_bh).to(tl.int64) * LG + r
-    w = tl.exp2(tl.load(ml_ptr + row * 2, mask=row_ok, other=float("-inf")) - m)
-    l += w * tl.load(ml_ptr + row * 2 + 1, mask=row_ok, other=0.0)
-    acc += w[:, None] * tl.load(part_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0)
-    return l, acc
-
-
 @triton.jit(do_not_specialize=["L", "BHKV", "splits"])
 def _split_combine_kernel(part_ptr, ml_ptr, out_ptr, sob, sol, soh, L, BHKV, splits, HKV: tl.constexpr,
-                          G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr,
-                          ITERS: tl.constexpr, INTERPRETED: tl.constexpr):
+                          G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr):
     """The splits in split order, whatever the rows; `splits` a value (one compiled variant for every
-    count), ITERS the same count as a constexpr for the interpreter, whose loops take no other bound."""
+    count), in while loops (the interpreter takes no loaded bound in a range)."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = (pid_bh // HKV).to(tl.int64), (pid_bh % HKV).to(tl.int64)
     LG = L * G
@@ -186,21 +170,21 @@ def _split_combine_kernel(part_ptr, ml_ptr, out_ptr, sob, sol, soh, L, BHKV, spl
     d = tl.arange(0, BLOCK_D)
     mask = row_ok[:, None] & (d[None, :] < D)
     m = tl.full((BM,), float("-inf"), dtype=tl.float32)
-    if INTERPRETED:
-        for s in range(ITERS):
-            m = _split_max(m, ml_ptr, s, BHKV, pid_bh, LG, r, row_ok)
-    else:
-        for s in range(splits):
-            m = _split_max(m, ml_ptr, s, BHKV, pid_bh, LG, r, row_ok)
+    s = 0
+    while s < splits:
+        row = (s * BHKV + pid_bh).to(tl.int64) * LG + r
+        m = tl.maximum(m, tl.load(ml_ptr + row * 2, mask=row_ok, other=float("-inf")))
+        s += 1
     m = tl.where(m == float("-inf"), 0.0, m)
     acc = tl.zeros((BM, BLOCK_D), dtype=tl.float32)
     l = tl.zeros((BM,), dtype=tl.float32)
-    if INTERPRETED:
-        for s in range(ITERS):
-            l, acc = _split_add(l, acc, m, part_ptr, ml_ptr, s, BHKV, pid_bh, LG, r, row_ok, mask, d, D)
-    else:
-        for s in range(splits):
-            l, acc = _split_add(l, acc, m, part_ptr, ml_ptr, s, BHKV, pid_bh, LG, r, row_ok, mask, d, D)
+    s = 0
+    while s < splits:
+        row = (s * BHKV + pid_bh).to(tl.int64) * LG + r
+        w = tl.exp2(tl.load(ml_ptr + row * 2, mask=row_ok, other=float("-inf")) - m)
+        l += w * tl.load(ml_ptr + row * 2 + 1, mask=row_ok, other=0.0)
+        acc += w[:, None] * tl.load(part_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0)
+        s += 1
     i = (r // G).to(tl.int64)
     head = h * G + (r % G)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -286,5 +270,4 @@ def split_combine(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, rows:
     bm = rows or combine_rows(d)
     _split_combine_kernel[(triton.cdiv(lg, bm), bhkv)](
         part, ml, out, out.stride(0), out.stride(1), out.stride(2), length, bhkv, splits, HKV=hkv, G=hq // hkv,
-        D=d, BLOCK_D=_block_d(d), BM=bm, ITERS=splits if INTERPRETED else 1, INTERPRETED=INTERPRETED,
-        num_warps=warps)
+        D=d, BLOCK_D=_block_d(d), BM=bm, num_warps=warps)
