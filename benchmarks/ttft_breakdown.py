@@ -5,8 +5,9 @@
 cache_bench measures a lone chat's TTFT through HTTP; this splits the same request's path on the engine
 (the scheduler, the shard's command, and in it the prefill and the steps), so that the served figure minus
 this one is what HTTP, Serve and the coordinator's Ray calls cost. Requests are greedy, AR mode (their
-first token is their prefill and their first command), `--first-tokens` tokens long as the served
-request's first command is. Measured, of `--turns` requests each, the one whose first token is the median
+first token is their prefill's prediction, so the command that ends their prompt is its prefill alone and
+the steps part stays 0), `--first-tokens` tokens long. Measured, of `--turns` requests each, the one whose
+first token is the median
 (the cached ones first, while their prefix is the pool's most recently used; every turn of a case must
 find its case's cached tokens, else the run fails):
 
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--prefix-tokens", type=int, default=4096)
     ap.add_argument("--suffix-tokens", type=int, default=29, help="a turn's new tokens (cache_bench's are about this)")
-    ap.add_argument("--first-tokens", type=int, default=2, help="max_tokens, so the first command runs as many steps")
+    ap.add_argument("--first-tokens", type=int, default=2, help="max_tokens of each request")
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--results-dir", type=results.directory, default=results.DEFAULT_DIR,
                     help="where the result file goes ($OUT where set); '' writes none")

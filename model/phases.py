@@ -35,9 +35,9 @@ class StepBudget:
         return p.steps_for(self.canvas_length)
 
     def at_admission(self, p: DecodeParams) -> int:
-        """Steps of the command that admits the request (its prefill shares the first) until it is done."""
+        """Steps from the command that admits the request (its prefill runs before them) until it is done."""
         if p.mode == "ar":   # the prefill's prediction is the first token; each step adds one
-            return max(p.max_tokens - 1, 1)
+            return p.max_tokens - 1
         phase = DENOISE if p.mode == "diffusion" else DRAFT
         return self.left(p, phase, n=0, emitted=0)
 

@@ -1,9 +1,9 @@
 """One rank's executor of batch commands (docs/spec.md 1, 3, 4, 5, 6).
 
-    execute(command): release and admit slots, run exactly `max_steps` steps, copy the results out once
+    execute(command): release and admit slots, prefill, run exactly `max_steps` steps, copy the results out once
 
-A step is the prefill of newly admitted slots (a command's first step), one forward over every
-canvas-wide row (denoise, commit, draft or verify, each at its own phase) and one over every AR row,
+A command first prefills its prompt chunks (newly admitted slots, a long prompt's next chunk); a command
+of no steps is that prefill alone. A step is one forward over every canvas-wide row (denoise, commit, draft or verify, each at its own phase) and one over every AR row,
 each followed by its sampler and state update; AR rows ride in the canvas forward where that costs less
 than a second read of the weights (`ar_rides`). Per-slot state stays on the device, so the host reads
 nothing until the command ends. On CUDA every step replays a graph of the closed set that `warm_up`
@@ -174,7 +174,9 @@ class Runner:
             admitted = self._admit(cmd.admit)
             runs = self._prefill_runs(cmd, admitted)
             events = Events()
-            if cmd.max_steps == 0 or not self.slots.info:
+            # a command of no steps that prefills is a prefill alone: its AR rows' first tokens (the
+            # prefill's predictions) come back without waiting for a step (workers/scheduler.py)
+            if not self.slots.info or not (cmd.max_steps or runs):
                 return events
             if cmd.max_steps > self.outputs.max_steps:
                 raise ValueError(f"max_steps={cmd.max_steps} > the runner's max_steps_per_command="
@@ -182,13 +184,13 @@ class Runner:
             self.outputs.reset()
             self.drafts.reset()
             steps = cmd.max_steps
-            canvas, ar = self._forwards(steps)
+            canvas, ar = self._forwards(steps) if steps else ([], [])
             # the keys each forward may read in the command (the host's lengths change only at its end)
             canvas_keys = self._keys(canvas, steps, self.C) if canvas else 0
             ar_keys = self._keys(ar, steps, 1) if ar else 0
-            for k in range(steps):
-                if k == 0 and runs:
-                    self._prefill(runs)
+            if runs:
+                self._prefill(runs)
+            for _ in range(steps):
                 if canvas:
                     spans = self.grammar.check(canvas)
                     self._run("canvas", self.canvas_step, canvas, canvas_keys, spans)

@@ -195,7 +195,10 @@ def test_a_long_prompt_prefilled_in_chunks_gives_what_it_gives_whole(family):
         got = served.generate(e, prompts, params)
         chunks = [r for cmd in commands for r in cmd.prefill]
         assert max(r.end - r.start for r in chunks) <= 24 and len(chunks) >= 6
-        assert sum(len(cmd.prefill) > 0 and cmd.max_steps >= 1 for cmd in commands) >= 5
+        # chunks ride in commands whose steps run the decoding request (a command in which nothing decodes
+        # yet is its prefill alone)
+        assert sum(len(cmd.prefill) > 0 and cmd.max_steps >= 1 for cmd in commands) >= 4
+        assert all(cmd.max_steps >= 1 for cmd in commands if cmd.admit and not cmd.prefill)
         again = served.generate(e, prompts[:1], params[:1])[0]
         assert_no_page_held(e)
     for g, w in zip(got, whole):

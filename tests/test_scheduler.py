@@ -351,9 +351,12 @@ def test_commands_sized_by_the_slots_step_bounds():
     s.add("ar", [1], params(max_tokens=3, mode="ar"))
     s.add("third", [1], params(max_tokens=200))                           # waits: both slots taken
     command = s.schedule()
+    # the command that ends an AR request's prompt is its prefill alone: the first token streams at once
+    assert [a.params.mode for a in command.admit] == ["ar"] and command.max_steps == 0
+    s.apply(Events([Block(0, body(1))], 0, StepCounters(), steps_left={0: 2, 1: 0}))
     # "long" has bound 0 (it cannot run another step), so the AR request's bound of 2 sizes the command
-    assert [a.params.mode for a in command.admit] == ["ar"] and command.max_steps == 2
-    s.apply(Events([Block(0, body(2))], 1, StepCounters(), steps_left={0: 1, 1: 3}))
+    assert s.schedule().max_steps == 2
+    s.apply(Events([Block(0, body(1))], 1, StepCounters(), steps_left={0: 1, 1: 3}))
     assert s.schedule().max_steps == 1                 # the AR request may free its slot after 1 step
     s.apply(Events([Block(0, body(1))], 1, StepCounters(), steps_left={0: 0, 1: 2}))
     command = s.schedule()                             # "third" admitted (7 canvases x 33), nothing waits

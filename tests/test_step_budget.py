@@ -30,7 +30,7 @@ def test_bounds_by_phase():
     assert gemma.left(g, DENOISE, n=15, emitted=512) == 1 and gemma.left(g, COMMIT, n=16, emitted=256) == 1 + 16
     ar = DecodeParams(max_tokens=10, mode="ar")
     assert masked.at_admission(ar) == 9 and masked.left(ar, AR, n=0, emitted=4) == 6
-    assert masked.at_admission(DecodeParams(max_tokens=1, mode="ar")) == 1
+    assert masked.at_admission(DecodeParams(max_tokens=1, mode="ar")) == 0   # its prefill's token ends it
     spec = DecodeParams(max_tokens=10, mode="linear_spec")
     assert masked.at_admission(spec) == 20
     assert masked.left(spec, DRAFT, n=0, emitted=7) == 6 and masked.left(spec, VERIFY, n=0, emitted=7) == 5
@@ -42,15 +42,21 @@ def prompt(seed: int, n: int) -> list[int]:
     return [2] + [rng.randrange(101, 997) for _ in range(n - 1)]
 
 
-def steps_until_done(engine: Engine, params: DecodeParams, seed: int) -> tuple[list[int], int]:
-    """Runs one request in one-step commands: (its bound before each command, the commands it took)."""
+def steps_until_done(engine: Engine, params: DecodeParams, seed: int) -> tuple[list[int], list[int]]:
+    """Runs one request in commands of at most one step: (its bound before each command, the steps each
+    command ran: an AR request's first is its prefill alone)."""
     request = engine.add(prompt(seed, 5 + seed), params)
     bounds = [engine.scheduler.budget.at_admission(params)]
-    while not request.finished:
-        engine.step()
-        bounds.append(request.steps_left)
+    sizes, run = [], engine.shards.execute
+    engine.shards.execute = lambda cmd: sizes.append(cmd.max_steps) or run(cmd)
+    try:
+        while not request.finished:
+            engine.step()
+            bounds.append(request.steps_left)
+    finally:
+        engine.shards.execute = run
     engine.step()   # frees the slot
-    return bounds[:-1], len(bounds) - 1
+    return bounds[:-1], sizes
 
 
 CASES = {
@@ -72,8 +78,9 @@ def test_bound_holds_for_the_real_runner(case, tiny_nemotron, tiny_gemma):
     with Engine(tiny_nemotron if family == "nemotron" else tiny_gemma, num_slots=2, max_model_len=256,
                 max_steps_per_command=1) as engine:
         for seed in range(2):
-            bounds, took = steps_until_done(engine, params.model_copy(update={"seed": seed}), seed)
-            actual = [took - k for k in range(took)]    # steps still run after k commands
+            bounds, sizes = steps_until_done(engine, params.model_copy(update={"seed": seed}), seed)
+            actual = [sum(sizes[k:]) for k in range(len(sizes))]    # steps still run after k commands
+            assert sizes[0] == (0 if params.mode == "ar" else 1)
             assert all(b >= a for b, a in zip(bounds, actual)), (bounds, actual)
             if case in EXACT:
                 assert bounds == actual

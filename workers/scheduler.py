@@ -240,10 +240,14 @@ class Scheduler:
             return None
         release, self._release = tuple(self._release), []
         self._scheduled += 1
-        # With nothing left running, the command only frees slots: no forward to run; with nothing decoding
-        # yet (every request mid-prefill), one step: the next chunk comes with the next command.
+        # With nothing left running, the command only frees slots; with nothing decoding yet (every request
+        # mid-prefill), it is its prefill alone: the next chunk comes with the next command. So is a
+        # command that ends an AR request's prompt: that request's first token is its prefill's
+        # prediction, and it streams at the prefill's end rather than after a command's steps (the steps
+        # come in the command queued behind it).
         decoding = [r for r in running if r.prefilled >= len(r.prompt)]
-        steps = (self._command_steps(decoding) if decoding else 1) if running else 0
+        first_token = any(r.params.mode == "ar" and r.request_id in chunks for r in decoding)
+        steps = self._command_steps(decoding) if decoding and not first_token else 0
         # slots that free with the commands in flight or within a short command: where the next requests go
         freeing = sum(r.steps_left is not None and r.steps_left <= self.admission_steps for r in running)
         few = len(running) - freeing <= self.num_slots // 2
