@@ -13,8 +13,8 @@ find its case's cached tokens, else the run fails):
 
   cold      a fresh prompt of prefix + suffix tokens (prefilled in chunks of the server's prefill chunk);
   cached    the same prefix with a new suffix: its cached pages are not prefilled again;
-  short     a fresh prompt of the suffix's length alone: a prefill from position 0 (a CUDA graph where the
-            runner has them), to set beside the cached prompt's eager prefill of as many tokens.
+  short     a fresh prompt of the suffix's length alone: a prefill from position 0, to set beside the cached
+            prompt's prefill of as many tokens past its prefix (both CUDA graphs where the runner has them).
 
 The parts are timed with the device synchronized at their starts and ends (so they add up; the served
 path overlaps the host's work with the device's where it can). KEY=VALUE: Engine arguments (load_format=dummy,

@@ -1,5 +1,6 @@
 """CUDA graphs of whole steps (forward, sampler, state update of a canvas-wide or AR step) and of prefills
-up to PREFILL_GRAPH_TOKENS, from a closed set captured before a shard serves.
+up to PREFILL_GRAPH_TOKENS (past a cached prefix: up to PAST_PREFIX_GRAPH_WIDTH wide), from a closed set
+captured before a shard serves.
 
 A graph is keyed by its step kind and graph plan (model/steps/plan.py): the batch padded to the next
 capture size, the key bucket its rows read, and whether it scores. Request options are device data, so
@@ -19,6 +20,11 @@ MIN_PREFILL_WIDTH = 16
 # larger prefills run eagerly, unpadded: their launches weigh less next to their kernels, and a graph of
 # each width would keep its activations' peak in the graphs' pool
 PREFILL_GRAPH_TOKENS = 4096
+# prefills past a cached prefix (a conversation's next turn, a long prompt's later chunk) up to this width
+# are graphed too, over the cache's whole length of keys (attention divides the keys each row has among
+# its splits, on the device), so neither the prefix's length nor the turn's adds a key: eagerly, a turn of
+# a few dozen tokens costs its launches, not its kernels
+PAST_PREFIX_GRAPH_WIDTH = 256
 
 
 DENSE_CAPTURE_SIZES = 8   # every batch size up to this one has its own graphs; past it, steps of this many
@@ -78,6 +84,13 @@ def prefill_width(longest: int, rows: int, max_len: int) -> int | None:
     if i == len(widths) or rows * widths[i] > PREFILL_GRAPH_TOKENS:
         return None
     return widths[i]
+
+
+def past_prefix_width(longest: int, rows: int, max_len: int) -> int | None:
+    """The width a graphed prefill past a cached prefix of `rows` rows up to `longest` new tokens runs
+    at; None: it runs eagerly."""
+    width = prefill_width(longest, rows, max_len)
+    return width if width is not None and width <= PAST_PREFIX_GRAPH_WIDTH else None
 
 
 class StepGraphs:

@@ -26,8 +26,8 @@ from model.drafts import DraftBuffer
 from model.families import FAMILIES
 from model.grammar.guide import GrammarGuide
 from model.grammar.tokenizer import grammar_tokenizer
-from model.graphs import (MIN_PREFILL_WIDTH, PREFILL_GRAPH_TOKENS, StepGraphs, bucket, capture_sizes, key_buckets,
-                          padded_size, prefill_width, prefill_widths)
+from model.graphs import (MIN_PREFILL_WIDTH, PAST_PREFIX_GRAPH_WIDTH, PREFILL_GRAPH_TOKENS, StepGraphs, bucket,
+                          capture_sizes, key_buckets, padded_size, past_prefix_width, prefill_width, prefill_widths)
 from model.interface import DiffusionLM
 from model.kv_budget import ahead_positions, memory_budget, pool_pages, sliding_pages
 from model.outputs import CommandOutputs
@@ -344,12 +344,12 @@ class Runner:
                         yield kind, key, run, inputs
                 if scored and not scores_at_prefill:
                     continue
-                for width in prefill_widths(max_len):
-                    if rows * width <= PREFILL_GRAPH_TOKENS:
-                        plan = graph_plan(rows, width, scored)
-                        host = self._prefill_inputs([None] * rows, [None] * rows, plan, width)
-                        key = ("prefill", plan)
-                        yield "prefill", key, self._prefill_step(plan), self.graphs.static_inputs(key, *host)
+                for fresh in (True, False):
+                    for width in prefill_widths(max_len):
+                        if rows * width <= PREFILL_GRAPH_TOKENS and (fresh or width <= PAST_PREFIX_GRAPH_WIDTH):
+                            key, plan = self._prefill_key(rows, width, scored, fresh)
+                            host = self._prefill_inputs([None] * rows, [None] * rows, plan, width)
+                            yield key[0], key, self._prefill_step(plan, fresh), self.graphs.static_inputs(key, *host)
 
     def _warm_eager_prefills(self) -> None:
         """Runs, eagerly, prefills past a prefix (a cached prefix, a long prompt's later chunk) of one and of
@@ -418,16 +418,17 @@ class Runner:
 
     def _prefill(self, runs: list[PrefillRun]) -> None:
         """The runs' prompt chunks in one causal pass; on CUDA a graph's replay, rows padded to a capture size
-        and chunks to a prefill width (model/graphs.py), or eagerly where too wide or where a chunk starts
-        past the prompt's first position. A chunk short of its prompt's end writes KV only."""
+        and chunks to a prefill width (model/graphs.py), or eagerly where too wide for a graph (past a cached
+        prefix or a prompt's first chunk: wider than PAST_PREFIX_GRAPH_WIDTH). A chunk short of its
+        prompt's end writes KV only."""
         slots = [r.slot for r in runs]
         infos = [self.slots.info[s] for s in slots]
         longest = max(r.end - r.start for r in runs)
         fresh = not any(r.start for r in runs)
         rows = width = None
-        if self.graphed and fresh:
+        if self.graphed:
             rows = padded_size(len(slots), self.sizes)
-            width = prefill_width(longest, rows, self.kv.max_len)
+            width = (prefill_width if fresh else past_prefix_width)(longest, rows, self.kv.max_len)
         scored = self.canvas_step.needs_prediction and any(i.wants_scores for i in infos)
         if width is None:   # eager
             self._count_eager()
@@ -442,10 +443,18 @@ class Runner:
             self._prefill_step(plan, fresh)(*(h.to(self.device, non_blocking=True) for h in host))
             return
         pad = rows - len(slots)
-        plan = graph_plan(rows, width, scored)
+        key, plan = self._prefill_key(rows, width, scored, fresh)
         host = self._prefill_inputs(runs + [None] * pad, infos + [None] * pad, plan, width)
-        key = ("prefill", plan)
-        self.graphs.run(key, self._prefill_step(plan), *self.graphs.static_inputs(key, *host))
+        self.graphs.run(key, self._prefill_step(plan, fresh), *self.graphs.static_inputs(key, *host))
+
+    def _prefill_key(self, rows: int, width: int, scored: bool, fresh: bool) -> tuple[tuple, RowPlan]:
+        """A graphed prefill's key and plan: from position 0 its keys are its own (`width`); past a
+        cached prefix it reads the cache's whole length (its rows' real keys are device data)."""
+        if fresh:
+            plan = graph_plan(rows, width, scored)
+            return ("prefill", plan), plan
+        plan = graph_plan(rows, self.kv.max_len, scored)
+        return ("prefill_past", plan, width), plan
 
     def _prefill_step(self, plan: RowPlan, fresh: bool = True):
         return lambda *inputs: self.causal.prefill(plan, *inputs, fresh=fresh)

@@ -6,7 +6,7 @@ runs eagerly through the keys, padding and plans it would replay on CUDA (tests/
 import pytest
 import torch
 
-from model.graphs import (PREFILL_GRAPH_TOKENS, StepGraphs, capture_sizes, key_buckets, prefill_widths)
+from model.graphs import (PAST_PREFIX_GRAPH_WIDTH, PREFILL_GRAPH_TOKENS, StepGraphs, capture_sizes, key_buckets, prefill_widths)
 from model.sampling.params import DecodeParams
 from tests import served
 from workers.engine import Engine
@@ -91,7 +91,8 @@ def test_capture_sizes_are_every_size_to_8_then_steps_of_8(slots, sizes):
 @pytest.mark.parametrize("family", ["nemotron", "gemma"])
 def test_the_graph_set_is_a_formula_of_sizes_and_buckets(family, tiny_nemotron, tiny_gemma):
     """canvas and ar: sizes x buckets x 2; prefill: sizes x widths (rows x width within the budget) x 2, x 1
-    for a family whose prefill samples nothing; DiffusionGemma has no ar."""
+    for a family whose prefill samples nothing; prefill_past (past a cached prefix) the same, of the widths
+    up to PAST_PREFIX_GRAPH_WIDTH; DiffusionGemma has no ar."""
     model_dir = tiny_nemotron if family == "nemotron" else tiny_gemma
     with Engine(model_dir, num_slots=6, max_model_len=600, dtype="float32") as e:
         runner = e.shards.runner
@@ -102,7 +103,10 @@ def test_the_graph_set_is_a_formula_of_sizes_and_buckets(family, tiny_nemotron, 
     assert sizes == (1, 2, 3, 4, 5, 6) and report["capture_sizes"] == list(sizes)
     prefills = sum(1 for b in sizes for w in prefill_widths(600 + C) if b * w <= PREFILL_GRAPH_TOKENS)
     tiers = 2 if family == "nemotron" else 1
-    expected = {"canvas": len(sizes) * len(buckets) * 2, "prefill": prefills * tiers}
+    past = sum(1 for b in sizes for w in prefill_widths(600 + C) if b * w <= PREFILL_GRAPH_TOKENS
+               and w <= PAST_PREFIX_GRAPH_WIDTH)
+    assert 0 < past < prefills
+    expected = {"canvas": len(sizes) * len(buckets) * 2, "prefill": prefills * tiers, "prefill_past": past * tiers}
     if family == "nemotron":
         expected["ar"] = len(sizes) * len(buckets) * 2
     assert report["graphs"] == expected

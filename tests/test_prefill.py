@@ -4,6 +4,7 @@ under CUDA graphs; real graphs (captured, replayed) are tests/test_gpu.py's."""
 import pytest
 import torch
 
+from model import graphs as graphs_module
 from model.graphs import KEY_BUCKET, MIN_PREFILL_WIDTH, PREFILL_GRAPH_TOKENS, StepGraphs, prefill_width
 from model.sampling.params import MAX_LOGPROBS, DecodeParams
 from tests import served
@@ -60,12 +61,18 @@ def test_a_long_prefill_is_not_graphed(tiny_nemotron):
     assert not [key for key in graphs.graphs if key[0] == "prefill"]
 
 
+@pytest.mark.parametrize("graphed_past_prefix", [True, False], ids=["graphed", "eager"])
 @pytest.mark.parametrize("family", ["nemotron", "gemma"])
-def test_eager_prefills_of_a_graphed_runner_take_whole_tiles_and_the_graphs_plan(family, tiny_nemotron, tiny_gemma):
-    """A graphed runner's prefills outside the graph set (past a cached prefix, a long prompt's later
-    chunks, one too wide for a graph) run at a multiple of MIN_PREFILL_WIDTH with the graphs' plan (every
-    pass on): the kernel variants the warm-up compiled, never a new one mid-service (tests/test_gpu.py
-    watches the compiles). In fp32 they give the tokens and logprobs of the runner without graphs."""
+def test_prefills_past_a_prefix_on_a_graphed_runner(family, graphed_past_prefix, tiny_nemotron, tiny_gemma,
+                                                   monkeypatch):
+    """A graphed runner's prefills past a cached prefix and a long prompt's later chunks: up to
+    PAST_PREFIX_GRAPH_WIDTH wide, graphs at a prefill width over the cache's whole length of keys;
+    outside the graph set (here: with that width 0), eagerly at a multiple of MIN_PREFILL_WIDTH with the
+    graphs' plan (every pass on): the kernel variants the warm-up compiled, never a new one mid-service
+    (tests/test_gpu.py watches the compiles). In fp32 both give the tokens and logprobs of the runner
+    without graphs."""
+    if not graphed_past_prefix:
+        monkeypatch.setattr(graphs_module, "PAST_PREFIX_GRAPH_WIDTH", 0)
     model_dir, bos = (tiny_nemotron, 1) if family == "nemotron" else (tiny_gemma, 2)
     base = [bos] + [40 + 3 * i for i in range(39)]
     prompts = [base, base + [7, 8, 9, 10, 11, 12, 13], base + list(range(300, 323)), [bos] + list(range(100, 250))]
@@ -84,14 +91,22 @@ def test_eager_prefills_of_a_graphed_runner_take_whole_tiles_and_the_graphs_plan
             runner.causal.prefill = spy
             served_ = [served.generate(e, [p], [params])[0] for p in prompts]
             assert e.scheduler.pages.hits > 0
-        return served_, seen
+            max_len = runner.kv.max_len
+        return served_, seen, max_len
 
-    (got, seen), (expected, _) = generate(EagerGraphs()), generate(None)
-    eager = [(width, plan, longest) for fresh, width, plan, longest in seen if not fresh]
-    assert len(eager) >= 4 and any(longest % MIN_PREFILL_WIDTH for _, _, longest in eager)
-    for width, plan, longest in eager:
-        assert width % MIN_PREFILL_WIDTH == 0 and longest <= width < longest + MIN_PREFILL_WIDTH
+    graphs = EagerGraphs()
+    (got, seen, max_len), (expected, _, _) = generate(graphs), generate(None)
+    past = [(width, plan, longest) for fresh, width, plan, longest in seen if not fresh]
+    assert len(past) >= 4 and any(longest % MIN_PREFILL_WIDTH for _, _, longest in past)
+    keys = [key for key in graphs.graphs if key[0] == "prefill_past"]
+    for width, plan, longest in past:
         assert plan.filters and plan.sampling and plan.top_logprobs in (0, MAX_LOGPROBS)
+        if graphed_past_prefix:   # a graph's width, over every key the cache holds
+            assert width == prefill_width(longest, plan.rows, max_len) and plan.kv_len == max_len
+            assert ("prefill_past", plan, width) in keys
+        else:
+            assert width % MIN_PREFILL_WIDTH == 0 and longest <= width < longest + MIN_PREFILL_WIDTH
+    assert bool(keys) == graphed_past_prefix
     for g, e in zip(got, expected):   # logprobs within fp32 rounding: sums over more (masked) keys, as graphs
         assert g.output == e.output and g.ranks == e.ranks and g.top_ids == e.top_ids
         assert max(abs(a - b) for a, b in zip(g.logprobs, e.logprobs)) < 1e-3
