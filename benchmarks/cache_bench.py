@@ -59,7 +59,10 @@ PAGE = 16   # the KV cache's page: the prefix cache serves whole pages (docs/api
 CACHE_METRICS = ("dllm_prefix_cache_queries_total", "dllm_prefix_cache_hits_total")
 # what ran outside the warm-up's set while the workload ran (CUDA): a compile stalls the whole replica
 STALL_METRICS = ("dllm_kernel_compiles_total", "dllm_eager_steps_total")
-SCRAPED = CACHE_METRICS + STALL_METRICS
+# the coordinator's own time to first token (from a request's arrival there to its first block): the
+# client's minus it is the path through HTTP, the ingress and the Ray call to the coordinator
+TTFT_METRICS = ("dllm_time_to_first_token_seconds_sum", "dllm_time_to_first_token_seconds_count")
+SCRAPED = CACHE_METRICS + STALL_METRICS + TTFT_METRICS
 # each workload's two servers: (figure suffix, the serve_local argument that differs)
 CACHING = (("cached", "enable_prefix_caching=true"), ("uncached", "enable_prefix_caching=false"))
 
@@ -325,6 +328,7 @@ def conversation_stats(turns: list[Turn], wall_s: float) -> dict:
             "errors": sorted({t.result.error for t in turns if not t.result.ok}),
             "ttft_s": _quantiles([t.result.ttft for t in later if t.result.ttft is not None]),
             "ttft_first_turn_s": _quantiles([t.result.ttft for t in ok if t.turn == 0 and t.result.ttft is not None]),
+            "ttft_every_turn_s": _quantiles([t.result.ttft for t in ok if t.result.ttft is not None]),
             "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else None,
             "hit_rate_later_turns": sum(t.cached_tokens for t in later) / later_prompt if later_prompt else None,
             "prefix_bound_tokens": bound, "prefix_bound_rate": bound / prompt if prompt and bound is not None else None,
@@ -556,6 +560,12 @@ def figures(result: dict) -> dict[str, float | None]:
             for stat in ("mean", "p50", "p99"):
                 out[f"conversations_alone_ttft_{stat}_s_{name}"] = alone["stats"]["ttft_s"][stat]
             out[f"conversations_alone_hit_rate_later_turns_{name}"] = alone["stats"]["hit_rate_later_turns"]
+            # every turn of the chat alone, the cold first one too (the server's histogram counts them all)
+            a = alone.get("metrics", {})
+            server = _ratio(a.get(TTFT_METRICS[0]), a.get(TTFT_METRICS[1]))
+            client = alone["stats"].get("ttft_every_turn_s", {}).get("mean")
+            out[f"conversations_alone_server_ttft_mean_s_{name}"] = server
+            out[f"conversations_alone_path_s_{name}"] = None if server is None or client is None else client - server
     for stat in ("mean", "p50", "p99"):
         out[f"conversations_ttft_{stat}_cached_over_uncached"] = _ratio(
             out.get(f"conversations_ttft_{stat}_s_cached"), out.get(f"conversations_ttft_{stat}_s_uncached"))

@@ -217,6 +217,8 @@ TABLES: dict[str, Table] = {
         Row("  TTFT on / off: mean / p50", ("conversations_alone_ttft_mean_cached_over_uncached",
                                            "conversations_alone_ttft_p50_cached_over_uncached"), ".3g", "<= 0.2",
             "H100"),
+        Row("  of a turn's TTFT (every turn, mean), the path through HTTP, the ingress and Ray, on / off (s)",
+            ("conversations_alone_path_s_cached", "conversations_alone_path_s_uncached"), ".3g", card="H100"),
         Row("conversations: TTFT of turns 2.., mean / p50 / p99 with prefix caching on (s)",
             ("conversations_ttft_mean_s_cached", "conversations_ttft_p50_s_cached", "conversations_ttft_p99_s_cached"),
             ".3g", card="H100"),

@@ -177,7 +177,8 @@ def _run(ttft: float, itl: float, long_ttft: float) -> dict:
 
 
 def _stats(ttft: float, cached: int) -> dict:
-    return {"ttft_s": {"mean": ttft, "p50": ttft, "p99": 2 * ttft}, "prompt_tokens": 1000,
+    return {"ttft_s": {"mean": ttft, "p50": ttft, "p99": 2 * ttft}, "ttft_every_turn_s": {"mean": 2 * ttft},
+            "prompt_tokens": 1000,
             "cached_tokens": cached, "hit_rate": cached / 1000, "hit_rate_later_turns": cached / 800,
             "prefix_bound_rate": 0.5, "wall_s": 9.0 * ttft, "failed": 0, "completion_tokens": 320}
 
@@ -185,7 +186,10 @@ def _stats(ttft: float, cached: int) -> dict:
 def _conversation(ttft: float, cached: int, alone: float | None = None) -> dict:
     return {"stats": _stats(ttft, cached),
             "metrics": {"dllm_prefix_cache_queries_total": 1000.0, "dllm_prefix_cache_hits_total": float(cached)},
-            **({"alone": {"stats": _stats(alone, cached)}} if alone is not None else {})}
+            **({"alone": {"stats": _stats(alone, cached),   # the server's TTFT: 5 turns of 1.5 x alone each
+                          "metrics": {"dllm_time_to_first_token_seconds_sum": 7.5 * alone,
+                                      "dllm_time_to_first_token_seconds_count": 5.0}}}
+               if alone is not None else {})}
 
 
 def sample_result() -> dict:
@@ -204,6 +208,9 @@ def test_figures_name_every_figure_of_the_docs_table():
     assert got["conversations_committed_tok_s_cached_over_uncached"] == pytest.approx(2.0)
     assert got["conversations_alone_ttft_mean_s_cached"] == 0.1
     assert got["conversations_alone_ttft_p50_cached_over_uncached"] == pytest.approx(0.25)
+    # the client's mean TTFT of every turn alone minus the coordinator's (its histogram's sum / count)
+    assert got["conversations_alone_server_ttft_mean_s_cached"] == pytest.approx(0.15)
+    assert got["conversations_alone_path_s_cached"] == pytest.approx(0.2 - 0.15)
     named = {k for table in ("cache-bench", "cache-bench-gpu") for row in TABLES[table].rows for k in row.keys}
     assert named <= set(got)
     # a server that did not start: no figures of it, and no ratio
