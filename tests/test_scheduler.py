@@ -494,3 +494,29 @@ def test_where_commands_stay_long_though_a_burst_may_be_arriving():
     s.add("c", [1], long)                                    # a's successor, while b's last command runs
     command = s.schedule(ahead=True)
     assert len(command.admit) == 1 and command.max_steps == 2   # b's slot frees before it: room for b's successor
+
+
+def test_ar_arrivals_never_hold_back_decoding_rows_two_commands_in_a_row():
+    """A command that ends an AR request's prompt is its prefill alone (its first token, the prefill's
+    prediction, streams at the prefill's end); rows already decoding lose that command's boundary, never
+    two in a row: while one-token AR requests keep coming (each done at its prefill), a long request runs
+    its steps at least every other command."""
+    from model.phases import StepBudget
+
+    s = make(num_slots=4, max_queue=64, max_model_len=512, max_steps_per_command=8, budget=StepBudget(C))
+    s.add("long", [1], params(max_tokens=200, mode="ar"))
+    assert s.schedule().max_steps == 0          # alone, nothing else decodes
+    s.apply(Events([Block(0, body(1))], 0, StepCounters(), steps_left={0: 199}))
+    for i in range(30):
+        s.add(f"one-{i}", [1, 7], params(max_tokens=1, mode="ar"))
+    sizes, emitted = [], 1
+    for _ in range(12):
+        command = s.schedule()
+        sizes.append(command.max_steps)
+        emitted += command.max_steps
+        blocks = [Block(0, body(command.max_steps))] if command.max_steps else []
+        blocks += [Block(a.slot, body(1)) for a in command.admit]
+        s.apply(Events(blocks, command.max_steps, StepCounters(),
+                       steps_left={0: 200 - emitted} | {a.slot: 0 for a in command.admit}))
+    assert 0 in sizes and all(a or b for a, b in zip(sizes, sizes[1:])), sizes
+    assert sum(sizes) >= 6, sizes

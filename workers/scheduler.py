@@ -79,6 +79,7 @@ class Scheduler:
         # of each command handed out and not yet applied: its steps, and whether it was a short one that
         # admitted requests (a burst's first)
         self._in_flight: deque[tuple[int, bool]] = deque()
+        self._held_back = False   # the last command was a prefill alone while other rows were decoding
 
     @property
     def num_running(self) -> int:
@@ -244,10 +245,14 @@ class Scheduler:
         # mid-prefill), it is its prefill alone: the next chunk comes with the next command. So is a
         # command that ends an AR request's prompt: that request's first token is its prefill's
         # prediction, and it streams at the prefill's end rather than after a command's steps (the steps
-        # come in the command queued behind it).
+        # come in the command queued behind it). Rows already decoding lose that command's boundary, and
+        # never two in a row: while AR requests keep arriving, every other command runs their steps.
         decoding = [r for r in running if r.prefilled >= len(r.prompt)]
         first_token = any(r.params.mode == "ar" and r.request_id in chunks for r in decoding)
-        steps = self._command_steps(decoding) if decoding and not first_token else 0
+        others = any(r.request_id not in chunks for r in decoding)
+        alone = first_token and not (others and self._held_back)
+        steps = self._command_steps(decoding) if decoding and not alone else 0
+        self._held_back = alone and others
         # slots that free with the commands in flight or within a short command: where the next requests go
         freeing = sum(r.steps_left is not None and r.steps_left <= self.admission_steps for r in running)
         few = len(running) - freeing <= self.num_slots // 2
