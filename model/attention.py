@@ -14,7 +14,8 @@ from __future__ import annotations
 import contextlib
 import os
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -89,8 +90,10 @@ class StepContext:
     write_index: list[torch.Tensor]   # per group: [B * L] the cache row of each token (the sink for padding)
     pages: list[torch.Tensor]  # per group: [B, ceil(kv_len / page_size)] the pages of each row's keys
     kv_len: int                # keys read per row: max over rows of start + L
-    mask: torch.Tensor         # [B, 1, L, kv_len] bool, True = attend
-    window_mask: torch.Tensor | None = None  # [B, 1, L, kv_len] bool for sliding layers; None: no window
+    # (mask, window_mask) on first use: [B, 1, L, kv_len] bool, True = attend, and the sliding layers'
+    # (None: no window). The paths that gather keys read them; the paged kernel reads the rows' starts
+    # and lengths instead, so a graph over the cache's whole length never builds them
+    masks: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
     causal_rows: torch.Tensor | None = None  # [B] bool: prefill / commit rows True, denoise rows False
     fresh: bool = False        # every row starts at position 0 (a prefill): attend to the step's own keys
     starts: torch.Tensor | None = None   # [B] int64: each row's first position
@@ -99,6 +102,20 @@ class StepContext:
     # sliding layers after a prefill: each row's pages from its window's first on, and the mask over them
     window_pages: torch.Tensor | None = None   # [B, n] page ids (the sliding group's)
     window_keys_mask: torch.Tensor | None = None   # [B, 1, L, n * page_size] bool
+    _masks: tuple | None = field(default=None, repr=False)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self._built()[0]
+
+    @property
+    def window_mask(self) -> torch.Tensor | None:
+        return self._built()[1]
+
+    def _built(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._masks is None:
+            self._masks = self.masks()
+        return self._masks
 
     @classmethod
     def build(cls, kv: PagedKVCache, slots: list[int], starts: list[int], lengths: list[int],
@@ -132,9 +149,12 @@ def device_context(kv: PagedKVCache, meta: torch.Tensor, width: int, kv_len: int
         rows = table[slot]                                                   # [B, max_pages]
         write.append(torch.where(real, rows.gather(1, page_index) * P + pos % P, kv.sink(g)).flatten())
         pages.append(rows[:, : -(-kv_len // P)])
-    j = torch.arange(kv_len, device=meta.device)[None, None, :]
-    visible = _visible(j, start, length, causal, pos)
-    window_mask = None if window is None else sliding_window_mask(visible, pos, start, real, causal, window)
+    def masks() -> tuple[torch.Tensor, torch.Tensor | None]:
+        j = torch.arange(kv_len, device=meta.device)[None, None, :]
+        visible = _visible(j, start, length, causal, pos)
+        window_mask = None if window is None else sliding_window_mask(visible, pos, start, real, causal, window)
+        return visible.unsqueeze(1), window_mask
+
     window_pages = window_keys_mask = None
     if window is not None and not fresh and window in kv.windows:
         # the pages from the window's first on, as many as the window and the step span: what a sliding
@@ -147,8 +167,8 @@ def device_context(kv: PagedKVCache, meta: torch.Tensor, width: int, kv_len: int
         key_pos = (index[:, :, None] * P + torch.arange(P, device=meta.device)).flatten(1)[:, None, :]   # [B, 1, nP]
         seen = _visible(key_pos, start, length, causal, pos) & (key_pos < kv.max_len)
         window_keys_mask = sliding_window_mask(seen, pos, start, real, causal, window, key_pos)
-    ctx = StepContext(kv=kv, slots=slot, write_index=write, pages=pages, kv_len=kv_len, mask=visible.unsqueeze(1),
-                      window_mask=window_mask, causal_rows=causal, fresh=fresh, starts=start, lengths=length,
+    ctx = StepContext(kv=kv, slots=slot, write_index=write, pages=pages, kv_len=kv_len, masks=masks,
+                      causal_rows=causal, fresh=fresh, starts=start, lengths=length,
                       window=window, window_pages=window_pages, window_keys_mask=window_keys_mask)
     return ctx, pos
 
@@ -251,7 +271,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     kv = ctx.kv
     group = kv.group_of[layer]
     cache_k, cache_v = kv.k[layer], kv.v[layer]
-    assert not sliding or ctx.window_mask is not None, "a sliding layer needs StepContext.build(..., window=W)"
+    assert not sliding or ctx.window is not None, "a sliding layer needs StepContext.build(..., window=W)"
     if not stored:
         kv_rows(layer).store(k, v)
     # fp64 (the tests' references) is a dtype the kernel does not take: SDPA below. In the batch-invariant

@@ -114,11 +114,14 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, out_ptr, part_ptr, ml_ptr, slot_pt
     i_min = (pid_m * BM) // G
     i_max = tl.minimum(pid_m * BM + BM - 1, LG - 1) // G
     hi = tl.where(causal, tl.minimum(end, start + i_max + 1), end)
+    # a block of padding queries alone (a row padded to a graph's width) reads no key: its outputs, never
+    # read, are 0 (l = 0), finite for the layers after it
+    hi = tl.where(i_min < length, hi, 0)
     lo = start * 0
     if HAS_WINDOW:
         anchor_min = tl.where(causal, start + i_min, start)
         # from the block's first query's window on, if the block has a real query: its padding queries
-        # (past the row's length, never read) then see the block's keys, never none; padding alone: from 0
+        # (past the row's length, never read) then see the block's keys, never none
         lo = tl.where(i_min < length, tl.maximum(lo, anchor_min - W + 1), lo)
     lo = lo // BN * BN   # key blocks at multiples of BN: the same blocks whatever the neighbours
     span = tl.maximum(hi - lo, 0)
