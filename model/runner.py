@@ -295,15 +295,13 @@ class Runner:
         assert not self.slots.info, "the pool is sized before any slot is admitted"
         (utilization, prefill_chunk), self.pool_sizing = self.pool_sizing, None
         graphs, self.graphs = self.graphs, self.graphs or StepGraphs(self.device, capture=False)
-        largest: dict[str, tuple] = {}
-        for kind, key, step, inputs in self._graph_set():   # ordered by rows, then keys or width
-            largest[kind] = (step, inputs)
+        largest = largest_steps(self._graph_set())
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode(), batch_invariant(self.batch_invariant):
-            for step, inputs in largest.values():
+            for _, step, inputs in largest.values():
                 step(*inputs)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
@@ -525,6 +523,19 @@ class Runner:
     def _count_eager(self) -> None:
         if self.graphs is not None and self.graphs.frozen:
             self.graphs.eager_steps += 1
+
+
+def largest_steps(graph_set) -> dict[str, tuple]:
+    """Of each kind in a graph set ((kind, key, step, inputs) items), the one whose working memory is the
+    largest: (its size, step, inputs). A prefill's goes with its tokens (rows x width: the most rows are
+    not the most tokens), a step's with its rows and the keys they read."""
+    largest: dict[str, tuple] = {}
+    for kind, key, step, inputs in graph_set:
+        plan = key[1]
+        size = plan.rows * (key[2] if kind == "prefill_past" else plan.kv_len)
+        if kind not in largest or size >= largest[kind][0]:
+            largest[kind] = (size, step, inputs)
+    return largest
 
 
 def _compiled_while_serving(name: str, seconds: float) -> None:

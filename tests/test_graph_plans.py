@@ -135,3 +135,19 @@ def test_a_step_outside_the_set_runs_eagerly_and_is_counted(tiny_nemotron):
         warmed = set(runner.graphs.graphs)
         assert_same(outcome(e, prompts, [params] * 2), expected)
     assert runner.graphs.eager_steps == 1 and set(runner.graphs.graphs) == warmed
+
+
+def test_the_pool_is_sized_on_each_kinds_largest_step(tiny_nemotron):
+    """size_pool runs, of each kind, the step of the most tokens: with 48 slots a prefill's most rows
+    (48 x 64) are not its most tokens (16 x 256 and 32 x 128 hold 4096)."""
+    from model.runner import largest_steps
+
+    with Engine(tiny_nemotron, num_slots=48, max_model_len=600, dtype="float32") as e:
+        runner = e.shards.runner
+        runner.graphs = StepGraphs(torch.device("cpu"), capture=False)
+        items = list(runner._graph_set())
+    largest = largest_steps((kind, key, None, key) for kind, key, _, _ in items)
+    assert largest["prefill"][0] == largest["prefill_past"][0] == PREFILL_GRAPH_TOKENS
+    assert largest["prefill"][2][1].rows < 48 and largest["prefill_past"][2][1].rows < 48
+    top = max(key[1].kv_len for kind, key, _, _ in items if kind == "canvas")
+    assert largest["canvas"][2][1].rows == 48 and largest["canvas"][2][1].kv_len == top
