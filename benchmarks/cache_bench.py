@@ -60,7 +60,8 @@ CACHE_METRICS = ("dllm_prefix_cache_queries_total", "dllm_prefix_cache_hits_tota
 # what ran outside the warm-up's set while the workload ran (CUDA): a compile stalls the whole replica
 STALL_METRICS = ("dllm_kernel_compiles_total", "dllm_eager_steps_total")
 # the coordinator's own time to first token (from a request's arrival there to its first block): the
-# client's minus it is the path through HTTP, the ingress and the Ray call to the coordinator
+# client's minus it is the path through HTTP, the ingress and the Ray call to the coordinator (and any text
+# the ingress's detokenizer holds back)
 TTFT_METRICS = ("dllm_time_to_first_token_seconds_sum", "dllm_time_to_first_token_seconds_count")
 SCRAPED = CACHE_METRICS + STALL_METRICS + TTFT_METRICS
 # each workload's two servers: (figure suffix, the serve_local argument that differs)
