@@ -1,12 +1,12 @@
 """One rank's executor of batch commands (docs/spec.md 1, 3, 4, 5, 6).
 
-    execute(command): release and admit slots, prefill, run exactly `max_steps` steps, copy the results out once
+    execute(command): release and admit slots, prefill, run exactly `max_steps` steps, copy the results out
 
 A command first prefills its prompt chunks (newly admitted slots, a long prompt's next chunk); a command
-of no steps is that prefill alone. A step is one forward over every canvas-wide row (denoise, commit, draft or verify, each at its own phase) and one over every AR row,
-each followed by its sampler and state update; AR rows ride in the canvas forward where that costs less
-than a second read of the weights (`ar_rides`). Per-slot state stays on the device, so the host reads
-nothing until the command ends. On CUDA every step replays a graph of the closed set that `warm_up`
+of no steps is that prefill alone. A step is one forward over every canvas-wide row (denoise, commit,
+draft or verify, each at its own phase) and one over every AR row, each followed by its sampler and
+state update; AR rows ride in the canvas forward where that costs less than a second read of the weights
+(`ar_rides`). Per-slot state stays on the device, so the host reads nothing until the command ends. On CUDA every step replays a graph of the closed set that `warm_up`
 captures before a shard serves. The step loop, graphs and batch invariance: docs/design.md.
 """
 from __future__ import annotations
