@@ -203,8 +203,9 @@ class Runner:
             events.blocks, events.counters = self.outputs.copy_out(self.slots, sorted(self.slots.info), scored,
                                                                    self.drafts, drafting, steps)
             t = self.slots
+            # a slot still mid-prefill has no phase yet: the scheduler keeps its bound from admission
             events.steps_left = {s: self.budget.left(i.params, t.host_phase[s], t.host_n[s], t.host_emitted[s])
-                                 for s, i in self.slots.info.items()}
+                                 for s, i in self.slots.info.items() if s not in self.prefilling}
             if self.graphs is not None:
                 events.graphs = {"eager_steps": self.graphs.eager_steps,
                                  "captured_after_ready": self.graphs.captured - self.graphs.captured_at_freeze,

@@ -103,3 +103,24 @@ def test_commands_end_when_every_slot_is_done(tiny_gemma):
         engine.generate([prompt(1, 7), prompt(2, 9)], [DecodeParams(max_tokens=16, **forced),
                                                          DecodeParams(max_tokens=48, **forced)])
         assert sizes == [14]
+
+
+def test_a_request_mid_prefill_keeps_its_admission_bound(tiny_nemotron):
+    """A long prompt prefilled a chunk a command beside a decoding request runs no step until its last
+    chunk: the scheduler's bound stays the one from its admission, and the runner reports none for its
+    slot (it has no phase yet); then the bounds hold as before."""
+    with Engine(tiny_nemotron, num_slots=2, max_model_len=256, max_steps_per_command=4, prefill_chunk=16) as engine:
+        seen, run = [], engine.shards.execute
+        engine.shards.execute = lambda cmd: (lambda events: seen.append(events) or events)(run(cmd))
+        busy = engine.add(prompt(1, 6), DecodeParams(max_tokens=60, ignore_eos=True, mode="ar"))
+        engine.step()
+        params = DecodeParams(max_tokens=9, ignore_eos=True, mode="ar")
+        long = engine.add(prompt(2, 70), params)
+        bound, checked = engine.scheduler.budget.at_admission(params), 0
+        while not long.finished:
+            engine.step()
+            if long.slot is not None and long.prefilled < len(long.prompt):
+                assert long.steps_left == bound and long.slot not in seen[-1].steps_left
+                assert busy.slot in seen[-1].steps_left
+                checked += 1
+        assert checked >= 3

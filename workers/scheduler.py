@@ -259,7 +259,7 @@ class Scheduler:
         short = few and not self._waiting and bool(admit or freeing or any(o for _, o in self._in_flight))
         if short:   # a burst may be arriving
             steps = min(steps, self.admission_steps)
-        for request in running:
+        for request in decoding:   # a request still mid-prefill runs none of them
             if request.steps_left is not None:
                 request.steps_left = max(request.steps_left - steps, 0)
         runs = self._page_runs(chunks, running, steps) if self.pages is not None else ()
