@@ -7,9 +7,8 @@ cache_bench measures a lone chat's TTFT through HTTP; this splits the same reque
 this one is what HTTP, Serve and the coordinator's Ray calls cost. Requests are greedy, AR mode (their
 first token is their prefill's prediction, so the command that ends their prompt is its prefill alone and
 the steps part stays 0), `--first-tokens` tokens long. Measured, of `--turns` requests each, the one whose
-first token is the median
-(the cached ones first, while their prefix is the pool's most recently used; every turn of a case must
-find its case's cached tokens, else the run fails):
+first token is the median (the cached ones first, while their prefix is the pool's most recently used;
+every turn of a case must find its case's cached tokens, else the run fails):
 
   cold      a fresh prompt of prefix + suffix tokens (prefilled in chunks of the server's prefill chunk);
   cached    the same prefix with a new suffix: its cached pages are not prefilled again;

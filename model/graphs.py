@@ -76,21 +76,18 @@ def _powers(first: int, last: int) -> list[int]:
     return [1 << i for i in range(first.bit_length() - 1, last.bit_length()) if first <= 1 << i < last]
 
 
-def prefill_width(longest: int, rows: int, max_len: int) -> int | None:
-    """The width a graphed prefill of `rows` prompts up to `longest` tokens runs at; None: too wide for
-    a graph (it runs eagerly at `longest`)."""
-    widths = prefill_widths(max_len)
-    i = bisect.bisect_left(widths, longest)
-    if i == len(widths) or rows * widths[i] > PREFILL_GRAPH_TOKENS:
-        return None
-    return widths[i]
+def graph_widths(rows: int, max_len: int, fresh: bool = True) -> list[int]:
+    """The widths the graph set holds prefills of `rows` rows at: rows x width within PREFILL_GRAPH_TOKENS;
+    past a cached prefix (not `fresh`), up to PAST_PREFIX_GRAPH_WIDTH. The warm-up captures these and a
+    prefill looks its width up among them (prefill_width): one rule for both."""
+    return [w for w in prefill_widths(max_len)
+            if rows * w <= PREFILL_GRAPH_TOKENS and (fresh or w <= PAST_PREFIX_GRAPH_WIDTH)]
 
 
-def past_prefix_width(longest: int, rows: int, max_len: int) -> int | None:
-    """The width a graphed prefill past a cached prefix of `rows` rows up to `longest` new tokens runs
-    at; None: it runs eagerly."""
-    width = prefill_width(longest, rows, max_len)
-    return width if width is not None and width <= PAST_PREFIX_GRAPH_WIDTH else None
+def prefill_width(longest: int, rows: int, max_len: int, fresh: bool = True) -> int | None:
+    """The width a graphed prefill of `rows` prompts up to `longest` tokens (past a cached prefix: new
+    tokens, not `fresh`) runs at; None: too wide for a graph (it runs eagerly)."""
+    return next((w for w in graph_widths(rows, max_len, fresh) if w >= longest), None)
 
 
 class StepGraphs:

@@ -26,8 +26,8 @@ from model.drafts import DraftBuffer
 from model.families import FAMILIES
 from model.grammar.guide import GrammarGuide
 from model.grammar.tokenizer import grammar_tokenizer
-from model.graphs import (MIN_PREFILL_WIDTH, PAST_PREFIX_GRAPH_WIDTH, PREFILL_GRAPH_TOKENS, StepGraphs, bucket,
-                          capture_sizes, key_buckets, padded_size, past_prefix_width, prefill_width, prefill_widths)
+from model.graphs import (MIN_PREFILL_WIDTH, StepGraphs, bucket, capture_sizes, graph_widths, key_buckets, padded_size,
+                          prefill_width)
 from model.interface import DiffusionLM
 from model.kv_budget import ahead_positions, memory_budget, pool_pages, sliding_pages
 from model.outputs import CommandOutputs
@@ -344,11 +344,10 @@ class Runner:
                 if scored and not scores_at_prefill:
                     continue
                 for fresh in (True, False):
-                    for width in prefill_widths(max_len):
-                        if rows * width <= PREFILL_GRAPH_TOKENS and (fresh or width <= PAST_PREFIX_GRAPH_WIDTH):
-                            key, plan = self._prefill_key(rows, width, scored, fresh)
-                            host = self._prefill_inputs([None] * rows, [None] * rows, plan, width)
-                            yield key[0], key, self._prefill_step(plan, fresh), self.graphs.static_inputs(key, *host)
+                    for width in graph_widths(rows, max_len, fresh):
+                        key, plan = self._prefill_key(rows, width, scored, fresh)
+                        host = self._prefill_inputs([None] * rows, [None] * rows, plan, width)
+                        yield key[0], key, self._prefill_step(plan, fresh), self.graphs.static_inputs(key, *host)
 
     def _warm_eager_prefills(self) -> None:
         """Runs, eagerly, prefills past a prefix (a cached prefix, a long prompt's later chunk) of one and of
@@ -427,7 +426,7 @@ class Runner:
         rows = width = None
         if self.graphed:
             rows = padded_size(len(slots), self.sizes)
-            width = (prefill_width if fresh else past_prefix_width)(longest, rows, self.kv.max_len)
+            width = prefill_width(longest, rows, self.kv.max_len, fresh)
         scored = self.canvas_step.needs_prediction and any(i.wants_scores for i in infos)
         if width is None:   # eager
             self._count_eager()

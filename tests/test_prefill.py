@@ -102,7 +102,7 @@ def test_prefills_past_a_prefix_on_a_graphed_runner(family, graphed_past_prefix,
     for width, plan, longest in past:
         assert plan.filters and plan.sampling and plan.top_logprobs in (0, MAX_LOGPROBS)
         if graphed_past_prefix:   # a graph's width, over every key the cache holds
-            assert width == prefill_width(longest, plan.rows, max_len) and plan.kv_len == max_len
+            assert width == prefill_width(longest, plan.rows, max_len, fresh=False) and plan.kv_len == max_len
             assert ("prefill_past", plan, width) in keys
         else:
             assert width % MIN_PREFILL_WIDTH == 0 and longest <= width < longest + MIN_PREFILL_WIDTH
