@@ -108,7 +108,7 @@ def test_commands_end_when_every_slot_is_done(tiny_gemma):
 def test_a_request_mid_prefill_keeps_its_admission_bound(tiny_nemotron):
     """A long prompt prefilled a chunk a command beside a decoding request runs no step until its last
     chunk: the scheduler's bound stays the one from its admission, and the runner reports none for its
-    slot (it has no phase yet); then the bounds hold as before."""
+    slot (it has no phase yet), while it reports the decoding request's."""
     with Engine(tiny_nemotron, num_slots=2, max_model_len=256, max_steps_per_command=4, prefill_chunk=16) as engine:
         seen, run = [], engine.shards.execute
         engine.shards.execute = lambda cmd: (lambda events: seen.append(events) or events)(run(cmd))
