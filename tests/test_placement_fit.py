@@ -104,8 +104,12 @@ def test_the_watch_ends_quietly_when_its_replica_stops(caplog):
         watch = Hiccup("app", AppArgs())
         loop = asyncio.get_running_loop()
         going = loop.create_task(watch.run())
-        while not caplog.records:   # the failed poll reached the watch, which logged it
-            await asyncio.sleep(0.01)
+
+        async def logged():   # the failed poll reached the watch, which logged it
+            while not caplog.records:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(logged(), 10)
         assert not going.done()
         going.cancel()
         await loop.shutdown_default_executor()
